@@ -1,0 +1,201 @@
+r"""Statistics of ``Z`` and the FSLR estimators built from them (pure tensor functions).
+
+For one parameter tensor ``W`` of rank ``D`` with unit-learning-rate update ``dW`` and probe
+gradient ``g = d phi / d W``, the probe produces ``Z = dW * g``. Everything the estimators need
+is ``D + 2`` scalars per sample:
+
+.. math::
+
+    q_0 = \sum Z^2, \qquad q_d = \sum (\textstyle\sum_{i_d} Z)^2 \ (d = 0..D-1),
+    \qquad q_\text{full} = (\sum Z)^2 .
+
+They are stored as **log** values (``log_stats``, float64, ``-inf`` for an exact zero) in the
+order ``[q_0, q_{d=0}, ..., q_{d=D-1}, q_full]`` so that updates of any magnitude (``1e-30``
+or ``1e30`` in float32) neither underflow nor overflow. Expectations ``E`` are means over the
+samples of a probe (:func:`mean_log_stats`) and an exponential moving average across probes
+(:class:`EMA`). The estimators of :math:`\|\Delta_W f\|^2_\mathrm{RMS}` are
+
+* ``kron`` (tensor-normal, the paper's default): :math:`\prod_d E[q_d] / E[q_0]^{D-1}`;
+* ``full`` (no assumption, unbiased): :math:`E[q_\text{full}]`;
+* ``iid`` (ablation, biased): :math:`E[q_0]`;
+* readout weight (rows independent): :math:`E[q_{d=1}]`; readout bias: :math:`E[q_0]`.
+
+The FSLR is the square root of the estimate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Estimator = Literal["kron", "full", "iid"]
+ReadoutRole = Literal["weight", "bias"]
+ESTIMATORS: tuple[str, ...] = ("kron", "full", "iid")
+
+
+def check_estimator(name: str) -> None:
+    """Raise a ``ValueError`` naming the valid estimators if ``name`` is not one of them."""
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown estimator {name!r}; choose one of {', '.join(ESTIMATORS)}")
+
+
+def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
+    """At least float32 for accumulating statistics, whatever the parameter dtype (bf16, fp16)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def log_statistics(z: Tensor) -> Tensor:
+    r"""Log of the ``D + 2`` per-sample statistics of one ``Z`` (any rank ``D >= 0``).
+
+    The tensor is divided by its largest magnitude before squaring, and ``2 log(max|Z|)`` is
+    added back in log space, so the result is finite for ``|Z|`` anywhere in the dtype's range.
+    Works under ``torch.func.vmap`` (no data-dependent control flow).
+
+    Args:
+        z: ``dW * g`` for one sample, shape of the parameter.
+
+    Returns:
+        float64 tensor ``[log q_0, log q_{d=0}, ..., log q_{d=D-1}, log q_full]`` (``-inf``
+        where a statistic is exactly zero).
+
+    Example:
+        >>> z = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> log_statistics(z).exp().round()
+        tensor([ 30.,  52.,  58., 100.], dtype=torch.float64)
+    """
+    z = z.to(_stat_dtype(z.dtype))
+    scale = z.detach().abs().amax()
+    # Where Z is identically zero, divide by 1 instead of 0: every statistic is then 0 -> -inf.
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    u = z / safe
+    parts = [u.square().sum()]
+    parts += [u.sum(d).square().sum() for d in range(u.dim())]
+    parts.append(u.sum().square())
+    stats = torch.stack(parts).to(torch.float64)
+    return stats.log() + 2.0 * safe.to(torch.float64).log()
+
+
+def mean_log_stats(log_stats: Tensor) -> Tensor:
+    """Log of the mean over samples (dim 0) of statistics given in log space.
+
+    Example:
+        >>> ls = torch.tensor([[0.0], [math.log(3.0)]], dtype=torch.float64)
+        >>> mean_log_stats(ls).exp()
+        tensor([2.], dtype=torch.float64)
+    """
+    return torch.logsumexp(log_stats, dim=0) - math.log(log_stats.shape[0])
+
+
+def log_sq_norm(
+    log_e: Tensor, estimator: str = "kron", readout: ReadoutRole | None = None
+) -> Tensor:
+    r"""Log of the estimated :math:`\|\Delta_W f\|^2_\mathrm{RMS}` from expected statistics.
+
+    Args:
+        log_e: log expectations ``[log E q_0, log E q_{d}..., log E q_full]`` of one tensor.
+        estimator: ``"kron"``, ``"full"`` or ``"iid"``.
+        readout: ``"weight"`` or ``"bias"`` if the tensor is the readout layer's (the
+            row-independent variants apply to ``kron``; ``full`` and ``iid`` are unchanged).
+
+    Returns:
+        A float64 scalar; ``-inf`` when the estimate is exactly zero.
+
+    Example:
+        >>> z = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
+        >>> ls = log_statistics(z)
+        >>> round(float(log_sq_norm(ls, "kron").exp()), 4)  # 52 * 58 / 30
+        100.5333
+        >>> round(float(log_sq_norm(ls, "kron", readout="weight").exp()), 4)  # 3^2 + 7^2
+        58.0
+    """
+    check_estimator(estimator)
+    rank = log_e.shape[0] - 2
+    log_q0 = log_e[0]
+    if estimator == "full":
+        return log_e[-1]
+    if estimator == "iid" or rank == 0:
+        return log_q0
+    if readout == "bias":
+        return log_q0
+    if readout == "weight" and rank >= 2:
+        return log_e[2]
+    if rank == 1:
+        return log_e[1]
+    if torch.isneginf(log_q0):
+        return log_q0  # Z == 0 in every sample: the update does not move the function.
+    return log_e[1 : 1 + rank].sum() - (rank - 1) * log_q0
+
+
+def fslr_from_log(log_sq: Tensor) -> Tensor:
+    """FSLR (RMS norm) from the log of its square, as float64."""
+    return (0.5 * log_sq).exp()
+
+
+@dataclass
+class EMA:
+    r"""Bias-corrected exponential moving average of log-space statistics, per tensor.
+
+    With decay :math:`\beta`, :math:`m_t = \beta m_{t-1} + (1-\beta) x_t`, :math:`m_0 = 0`,
+    and the estimate :math:`m_t / (1 - \beta^t)`; all of it in log space (``logaddexp``), so a
+    constant stream returns that constant from the first update on.
+
+    Example:
+        >>> ema = EMA(beta=0.9)
+        >>> for _ in range(3):
+        ...     ema.update({"w": torch.tensor([0.0, 1.0], dtype=torch.float64)})
+        >>> ema.value()["w"]
+        tensor([0., 1.], dtype=torch.float64)
+    """
+
+    beta: float = 0.9
+    count: int = 0
+    log_m: dict[str, Tensor] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.beta < 1.0:
+            raise ValueError(f"beta must be in [0, 1), got {self.beta}")
+
+    def update(self, log_x: Mapping[str, Tensor]) -> None:
+        """Fold one probe's log expectations (one entry per tensor) into the averages."""
+        log_beta = math.log(self.beta) if self.beta > 0 else -math.inf
+        log_1mb = math.log1p(-self.beta)
+        for name, x in log_x.items():
+            x = x.detach().to(torch.float64).cpu()
+            previous = self.log_m.get(name)
+            if previous is None or previous.shape != x.shape:
+                previous = torch.full_like(x, -math.inf)
+                self.counts[name] = 0
+            self.log_m[name] = torch.logaddexp(previous + log_beta, x + log_1mb)
+            self.counts[name] += 1
+        self.count += 1
+
+    def value(self) -> dict[str, Tensor]:
+        """Bias-corrected log expectations per tensor."""
+        out = {}
+        for name, log_m in self.log_m.items():
+            t = self.counts[name]
+            correction = math.log1p(-(self.beta**t)) if self.beta > 0 else 0.0
+            out[name] = log_m - correction
+        return out
+
+    def state_dict(self) -> dict[str, object]:
+        """Plain-data state for checkpoints."""
+        return {
+            "beta": self.beta,
+            "count": self.count,
+            "log_m": {k: v.clone() for k, v in self.log_m.items()},
+            "counts": dict(self.counts),
+        }
+
+    def load_state_dict(self, state: Mapping[str, object]) -> None:
+        """Restore from :meth:`state_dict`."""
+        self.beta = float(state["beta"])  # type: ignore[arg-type]
+        self.count = int(state["count"])  # type: ignore[call-overload]
+        self.log_m = {k: v.clone() for k, v in state["log_m"].items()}  # type: ignore[attr-defined]
+        self.counts = dict(state["counts"])  # type: ignore[call-overload]

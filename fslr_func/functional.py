@@ -1,0 +1,227 @@
+"""A functional view of an ``nn.Module``: its tensors as dicts and its output as one flat vector.
+
+Shared by :mod:`fslr_func.probe` and :mod:`fslr_func.exact`. The module itself is never
+mutated: parameters are substituted through :func:`torch.func.functional_call`, buffers are
+cloned for every forward (so BatchNorm running statistics are untouched by a probe), frozen
+parameters are passed as constants, and tied parameters appear once (``named_parameters()``
+de-duplicates them; ``functional_call`` re-ties them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call
+
+Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
+OutputFn = Callable[[Any], Tensor]
+
+
+@dataclass(frozen=True)
+class ModuleTensors:
+    """The tensors of a module, split the way the probe needs them.
+
+    Attributes:
+        trainable: ``requires_grad`` parameters by (de-duplicated) name: the primals.
+        frozen: parameters with ``requires_grad=False``: constants.
+        buffers: buffers (running statistics and the like): cloned for every forward.
+    """
+
+    trainable: dict[str, Tensor]
+    frozen: dict[str, Tensor]
+    buffers: dict[str, Tensor]
+
+    @classmethod
+    def of(cls, model: nn.Module) -> ModuleTensors:
+        """Split ``model``'s parameters and buffers (detached; no copies are made)."""
+        trainable: dict[str, Tensor] = {}
+        frozen: dict[str, Tensor] = {}
+        for name, p in model.named_parameters():
+            (trainable if p.requires_grad else frozen)[name] = p.detach()
+        buffers = {name: b for name, b in model.named_buffers()}
+        return cls(trainable, frozen, buffers)
+
+    def constants(self) -> dict[str, Tensor]:
+        """Frozen parameters and fresh clones of the buffers, for one forward."""
+        cloned = {k: v.clone() for k, v in self.buffers.items()}
+        return {**self.frozen, **cloned}
+
+
+def split_inputs(inputs: Inputs) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Positional and keyword arguments from a tensor, a tuple of args or a mapping of kwargs."""
+    if isinstance(inputs, Tensor):
+        return (inputs,), {}
+    if isinstance(inputs, tuple):
+        return inputs, {}
+    if isinstance(inputs, Mapping):
+        return (), dict(inputs)
+    raise TypeError(
+        f"inputs must be a Tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments, got {type(inputs).__name__}"
+    )
+
+
+def as_output_tensor(out: Any, output_fn: OutputFn | None) -> Tensor:
+    """Apply ``output_fn`` and check that the model output is a floating tensor."""
+    if output_fn is not None:
+        out = output_fn(out)
+    if not isinstance(out, Tensor):
+        hint = ""
+        if isinstance(out, Mapping):
+            hint = f" (a mapping with keys {list(out)[:6]})"
+        elif hasattr(out, "logits"):
+            hint = " (it has .logits: output_fn=lambda out: out.logits)"
+        raise TypeError(
+            f"the model output is a {type(out).__name__}{hint}, not a Tensor: pass "
+            f"output_fn=... that selects the output tensor whose movement the FSLR measures"
+        )
+    if not out.is_floating_point():
+        raise TypeError(f"the model output must be a floating tensor, got dtype {out.dtype}")
+    return out
+
+
+@contextlib.contextmanager
+def transformable_attention() -> Iterator[None]:
+    """Run scaled-dot-product attention through the MATH kernel.
+
+    The CPU flash kernel has neither a vmap batching rule for its backward nor forward-mode AD;
+    the MATH kernel has both and computes the same function.
+    """
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.MATH):
+        yield
+
+
+def check_delta(
+    delta: Mapping[str, Tensor], tensors: ModuleTensors, *, what: str = "delta"
+) -> None:
+    """Check names, shapes and finiteness of an update dict against a module's tensors.
+
+    Raises:
+        ValueError: empty ``delta``; unknown or misspelled names (with close matches); names
+            of frozen parameters; shape mismatches; NaN or Inf entries.
+    """
+    if len(delta) == 0:
+        raise ValueError(f"{what} is empty: pass a dict from parameter names to updates")
+    unknown = [n for n in delta if n not in tensors.trainable]
+    if unknown:
+        lines = []
+        for n in unknown:
+            if n in tensors.frozen:
+                lines.append(f"  {n!r} is frozen (requires_grad=False): drop it from {what}")
+                continue
+            close = difflib.get_close_matches(n, list(tensors.trainable), n=3)
+            lines.append(f"  {n!r}" + (f": did you mean {close}?" if close else ""))
+        raise ValueError(
+            f"{what} names tensors that are not trainable parameters of the model "
+            f"(names are those of model.named_parameters()):\n" + "\n".join(lines)
+        )
+    bad_shape = [
+        f"  {n!r}: {tuple(d.shape)} != {tuple(tensors.trainable[n].shape)}"
+        for n, d in delta.items()
+        if d.shape != tensors.trainable[n].shape
+    ]
+    if bad_shape:
+        raise ValueError(f"{what} shapes differ from the parameters':\n" + "\n".join(bad_shape))
+    non_finite = [n for n, d in delta.items() if not bool(torch.isfinite(d).all())]
+    if non_finite:
+        raise ValueError(
+            f"{what} has NaN or Inf entries in {non_finite}: the update is not finite, so its "
+            f"function-space learning rate is undefined (check the loss and learning rates)"
+        )
+
+
+def model_forward(
+    model: nn.Module,
+    tensors: Mapping[str, Tensor],
+    inputs: Inputs,
+    output_fn: OutputFn | None,
+) -> Any:
+    """``model`` evaluated at ``tensors`` (raw output, before ``output_fn``)."""
+    args, kwargs = split_inputs(inputs)
+    with transformable_attention():
+        return functional_call(model, dict(tensors), args, kwargs, strict=False)
+
+
+class ReadoutFinder:
+    """Finds the readout layer: the leaf module whose output *is* the model output.
+
+    Forward hooks on the leaf modules remember each output during one forward; the module
+    whose output is the very tensor the model returns (after ``output_fn``) is the readout. A
+    readout weight that is tied to another tensor (GPT-2's head and embedding) is not given the
+    row-independent estimator, since the independence argument needs the weight to act only
+    in the readout.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._seen: list[tuple[str, Tensor]] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ReadoutFinder:
+        for name, module in self.model.named_modules():
+            if next(module.children(), None) is None:
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+        return self
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, Tensor):
+                self._seen.append((name, output))
+
+        return hook
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def find(self, output: Tensor) -> str | None:
+        """Name of the module whose output is ``output``, or ``None``; forgets what it saw."""
+        found = next((name for name, t in reversed(self._seen) if t is output), None)
+        self._seen.clear()
+        return found
+
+
+def readout_roles(
+    model: nn.Module, module_name: str | None, trainable: Mapping[str, Tensor], num_outputs: int
+) -> dict[str, str]:
+    """Map the readout module's own weight/bias names to ``"weight"``/``"bias"``.
+
+    Only parameters of the right shape (weight ``(K, d)``, bias ``(K,)`` with ``K`` the size
+    of the output's last dim) that are not tied elsewhere get a role.
+    """
+    if module_name is None:
+        return {}
+    try:
+        module = model.get_submodule(module_name)
+    except AttributeError as err:
+        names = [n for n, m in model.named_modules() if next(m.children(), None) is None]
+        close = difflib.get_close_matches(module_name, names, n=3)
+        raise ValueError(
+            f"readout={module_name!r} is not a module of the model"
+            + (f"; did you mean {close}?" if close else "")
+        ) from err
+    prefix = f"{module_name}." if module_name else ""
+    roles = {}
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    w_name, b_name = prefix + "weight", prefix + "bias"
+    uses = sum(p is weight for _, p in model.named_parameters(remove_duplicate=False))
+    if (
+        isinstance(weight, Tensor)
+        and w_name in trainable
+        and uses == 1
+        and weight.dim() == 2
+        and weight.shape[0] == num_outputs
+    ):
+        roles[w_name] = "weight"
+    if isinstance(bias, Tensor) and b_name in trainable and bias.shape == (num_outputs,):
+        roles[b_name] = "bias"
+    return roles

@@ -1,0 +1,333 @@
+r"""The probe: one forward, one vjp, and the vjp applied to ``S`` random output projections.
+
+For outputs ``F`` flattened to ``M`` elements and ``omega`` with i.i.d. zero-mean unit-variance
+entries, the probe ``phi = sum(omega * F) / sqrt(M)`` has gradient ``g = J^T omega / sqrt(M)``.
+The forward runs once under :func:`torch.func.vjp`; the returned ``vjp_fn`` is then applied to
+every omega, and each sample is reduced at once to the ``D + 2`` log statistics of
+``Z = dW * g`` (:func:`fslr_func.estimator.log_statistics`), so only statistics leave the
+per-sample function. With ``strategy="vmap"`` the samples go through :func:`torch.func.vmap` in
+chunks of ``chunk_size`` (peak memory grows with the chunk, not with ``S``); ``"loop"`` applies
+``vjp_fn`` once per sample; ``"autograd"`` uses plain ``torch.autograd.grad`` for models that
+torch.func cannot trace. ``"auto"`` picks vmap (loop for conv nets on CPU, where vmap is slower)
+and falls back, with one warning, when a path fails.
+
+Every omega sample is drawn on its own from ``generator``, so the result for a given seed does
+not depend on the strategy or the chunk size.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.func import vjp, vmap
+
+from .estimator import check_estimator, fslr_from_log, log_sq_norm, log_statistics, mean_log_stats
+from .functional import (
+    Inputs,
+    ModuleTensors,
+    OutputFn,
+    ReadoutFinder,
+    as_output_tensor,
+    check_delta,
+    model_forward,
+    readout_roles,
+)
+
+OmegaKind = Literal["gaussian", "rademacher"]
+Strategy = Literal["auto", "vmap", "loop", "autograd"]
+OMEGAS: tuple[str, ...] = ("gaussian", "rademacher")
+STRATEGIES: tuple[str, ...] = ("auto", "vmap", "loop", "autograd")
+
+_warned: set[tuple[str, str]] = set()
+
+
+def warn_once(model: nn.Module, key: str, message: str) -> None:
+    """Warn once per model class and kind of event."""
+    tag = (type(model).__qualname__, key)
+    if tag not in _warned:
+        _warned.add(tag)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+@dataclass
+class ProbeResult:
+    """What one probe measured.
+
+    Attributes:
+        log_stats: tensor name -> ``(S, D + 2)`` float64 log statistics, one row per sample.
+        readout: readout tensor names -> ``"weight"`` or ``"bias"``.
+        readout_module: the readout module's name, or ``None``.
+        num_outputs: ``M``, the number of output elements.
+        strategy: the strategy that produced the result.
+    """
+
+    log_stats: dict[str, Tensor]
+    readout: dict[str, str]
+    readout_module: str | None
+    num_outputs: int
+    strategy: str
+
+
+def draw_omega(
+    num: int,
+    kind: str,
+    generator: torch.Generator | None,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> Tensor:
+    """One omega sample of ``num`` i.i.d. zero-mean, unit-variance entries.
+
+    Example:
+        >>> g = torch.Generator().manual_seed(0)
+        >>> w = draw_omega(4, "rademacher", g, torch.device("cpu"), torch.float32)
+        >>> sorted(set(w.tolist())) in ([-1.0, 1.0], [-1.0], [1.0])
+        True
+    """
+    gen_device = generator.device if generator is not None else device
+    if kind == "gaussian":
+        w = torch.randn(num, generator=generator, device=gen_device)
+    elif kind == "rademacher":
+        w = torch.randint(0, 2, (num,), generator=generator, device=gen_device) * 2.0 - 1.0
+    else:
+        raise ValueError(f"unknown omega {kind!r}; choose one of {', '.join(OMEGAS)}")
+    return w.to(device=device, dtype=dtype)
+
+
+def _check_options(samples: int, omega: str, chunk_size: int | None, strategy: str) -> None:
+    if not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"samples must be a positive integer, got {samples!r}")
+    if omega not in OMEGAS:
+        raise ValueError(f"unknown omega {omega!r}; choose one of {', '.join(OMEGAS)}")
+    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be None or a positive integer, got {chunk_size!r}")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def _has_conv(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+
+
+VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
+
+
+def _func_vjp(
+    flat_output: Callable[[dict[str, Tensor]], Tensor], primals: dict[str, Tensor]
+) -> tuple[Tensor, VjpFn]:
+    result = vjp(flat_output, primals)
+    return result[0], result[1]
+
+
+def _autograd_vjp(
+    flat_output: Callable[[dict[str, Tensor]], Tensor], primals: dict[str, Tensor]
+) -> tuple[Tensor, VjpFn]:
+    leaves = {n: p.detach().requires_grad_(True) for n, p in primals.items()}
+    with torch.enable_grad():
+        out = flat_output(leaves)
+
+    def vjp_fn(cotangent: Tensor) -> tuple[dict[str, Tensor]]:
+        grads = torch.autograd.grad(
+            out, list(leaves.values()), cotangent, retain_graph=True, allow_unused=True
+        )
+        return (
+            {
+                n: torch.zeros_like(leaf) if g is None else g
+                for (n, leaf), g in zip(leaves.items(), grads, strict=True)
+            },
+        )
+
+    return out.detach(), vjp_fn
+
+
+def probe(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    *,
+    params: Mapping[str, Tensor] | None = None,
+    samples: int = 8,
+    omega: str = "gaussian",
+    generator: torch.Generator | None = None,
+    output_fn: OutputFn | None = None,
+    readout: str | None = "auto",
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+) -> ProbeResult:
+    """Per-sample log statistics of ``Z = delta * d phi / d W`` for every tensor in ``delta``.
+
+    Args:
+        model: any module; it is not mutated (buffers are cloned, parameters substituted).
+        inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
+        delta: parameter name -> unit-learning-rate update (names of ``named_parameters()``).
+        params: values to evaluate the gradient at (e.g. the weights before an optimiser
+            step); defaults to the module's current parameters. Partial dicts are fine.
+        samples: number ``S`` of omega samples.
+        omega: ``"gaussian"`` or ``"rademacher"``.
+        generator: draws omega; a seeded generator reproduces the result exactly.
+        output_fn: maps the model output to the tensor whose movement is measured.
+        readout: ``"auto"`` (detect), a module name, or ``None`` (no readout variants).
+        chunk_size: samples per vmap call (peak memory grows with it); ``None``: all at once.
+        strategy: ``"auto"``, ``"vmap"``, ``"loop"`` or ``"autograd"``.
+
+    Returns:
+        A :class:`ProbeResult`.
+
+    Example:
+        >>> model = torch.nn.Linear(3, 2)
+        >>> delta = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+        >>> r = probe(model, torch.randn(5, 3), delta, samples=4)
+        >>> r.log_stats["weight"].shape, r.readout
+        (torch.Size([4, 4]), {'weight': 'weight', 'bias': 'bias'})
+    """
+    _check_options(samples, omega, chunk_size, strategy)
+    tensors = ModuleTensors.of(model)
+    check_delta(delta, tensors)
+    point = dict(tensors.trainable)
+    if params is not None:
+        check_delta(params, tensors, what="params")
+        point.update({n: p.detach() for n, p in params.items()})
+    primals = {n: point[n] for n in delta}
+    fixed = {n: t for n, t in point.items() if n not in delta}
+
+    finder = ReadoutFinder(model) if readout == "auto" else None
+    found: list[str | None] = []
+    out_shape: list[torch.Size] = []
+
+    def flat_output(p: dict[str, Tensor]) -> Tensor:
+        state = {**fixed, **tensors.constants(), **p}
+        if finder is None:
+            out = as_output_tensor(model_forward(model, state, inputs, output_fn), output_fn)
+        else:
+            with finder:
+                out = as_output_tensor(model_forward(model, state, inputs, output_fn), output_fn)
+            found.append(finder.find(out))
+        out_shape.append(out.shape)
+        return out.reshape(-1)
+
+    use = strategy
+    if strategy == "auto":
+        on_cpu = next(iter(primals.values())).device.type == "cpu"
+        use = "loop" if (on_cpu and _has_conv(model)) else "vmap"
+    try:
+        if use == "autograd":
+            raise NotImplementedError("autograd requested")
+        out, vjp_fn = _func_vjp(flat_output, primals)
+    except (RuntimeError, NotImplementedError) as err:
+        if strategy not in ("auto", "autograd"):
+            raise
+        found.clear()
+        out_shape.clear()
+        out, vjp_fn = _autograd_vjp(flat_output, primals)
+        if strategy == "auto":
+            warn_once(
+                model,
+                "autograd",
+                f"torch.func could not trace {type(model).__name__} ({type(err).__name__}: "
+                f"{str(err).splitlines()[0][:200]}); the FSLR probe falls back to plain "
+                f"autograd, one backward per sample (same result, slower)",
+            )
+        use = "autograd"
+
+    module_name = found[0] if found else (readout if readout != "auto" else None)
+    num_outputs = out.numel()
+    last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
+    roles = readout_roles(model, module_name, primals, last_dim)
+    scale = 1.0 / math.sqrt(num_outputs)
+
+    def sample_stats(w: Tensor) -> dict[str, Tensor]:
+        (grads,) = vjp_fn(w * scale)
+        return {n: log_statistics(grads[n] * d) for n, d in delta.items()}
+
+    def draw(count: int) -> Tensor:
+        return torch.stack(
+            [draw_omega(num_outputs, omega, generator, out.device, out.dtype) for _ in range(count)]
+        )
+
+    chunk = samples if chunk_size is None else min(chunk_size, samples)
+    rows: list[dict[str, Tensor]] = []
+    for start in range(0, samples, chunk):
+        ws = draw(min(chunk, samples - start))
+        if use == "vmap":
+            try:
+                rows.append(vmap(sample_stats)(ws))
+                continue
+            except (RuntimeError, NotImplementedError) as err:
+                if strategy == "vmap":
+                    raise
+                warn_once(
+                    model,
+                    "loop",
+                    f"vmap over the probe's vjp failed for {type(model).__name__} "
+                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); falling back "
+                    f"to a loop over samples (same result, may be slower)",
+                )
+                use = "loop"
+        per = [sample_stats(w) for w in ws]
+        rows.append({n: torch.stack([p[n] for p in per]) for n in delta})
+    log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
+    return ProbeResult(log_stats, roles, module_name, num_outputs, use)
+
+
+def estimate(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    *,
+    samples: int = 8,
+    estimator: str = "kron",
+    omega: str = "gaussian",
+    generator: torch.Generator | None = None,
+    output_fn: OutputFn | None = None,
+    readout: str | None = "auto",
+    chunk_size: int | None = None,
+    strategy: str = "auto",
+    params: Mapping[str, Tensor] | None = None,
+) -> dict[str, Tensor]:
+    r"""One-probe estimate of every tensor's function-space learning rate (no EMA).
+
+    ``E`` is the mean over the ``samples`` omegas of one probe; the estimate of
+    :math:`\|\Delta_W f\|_\mathrm{RMS}` is the square root of ``kron``
+    (:math:`\prod_d E[q_d] / E[q_0]^{D-1}`), ``full`` (:math:`E[(\sum Z)^2]`) or ``iid``
+    (:math:`E[\sum Z^2]`); the readout layer's tensors use the row-independent variants with
+    ``kron``. See :mod:`fslr_func.estimator` and :func:`probe` for the arguments.
+
+    Returns:
+        Tensor name -> float64 scalar FSLR, keyed like ``delta``.
+
+    Example:
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator object at ...>
+        >>> model = torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3)
+        ... )
+        >>> delta = {n: 1e-2 * torch.randn_like(p) for n, p in model.named_parameters()}
+        >>> fslr = estimate(model, torch.randn(16, 4), delta, samples=32)
+        >>> sorted(fslr)
+        ['0.bias', '0.weight', '2.bias', '2.weight']
+    """
+    check_estimator(estimator)
+    result = probe(
+        model,
+        inputs,
+        delta,
+        params=params,
+        samples=samples,
+        omega=omega,
+        generator=generator,
+        output_fn=output_fn,
+        readout=readout,
+        chunk_size=chunk_size,
+        strategy=strategy,
+    )
+    out = {}
+    for name, ls in result.log_stats.items():
+        role = result.readout.get(name)
+        log_sq = log_sq_norm(mean_log_stats(ls), estimator, role)  # type: ignore[arg-type]
+        out[name] = fslr_from_log(log_sq)
+    return out
