@@ -1,0 +1,125 @@
+"""Exact and property tests of the pure statistics, estimators and EMA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fslr_func.estimator import EMA, fslr_from_log, log_sq_norm, log_statistics, mean_log_stats
+
+shapes = st.lists(st.integers(1, 4), min_size=0, max_size=5).map(tuple)
+
+
+def direct_stats(z: torch.Tensor) -> torch.Tensor:
+    """The statistics by their definition, in float64, for comparison."""
+    z = z.double()
+    parts = [z.square().sum()]
+    parts += [z.sum(d).square().sum() for d in range(z.dim())]
+    parts.append(z.sum().square())
+    return torch.stack(parts)
+
+
+@given(shape=shapes, seed=st.integers(0, 2**16))
+def test_log_statistics_match_definition_for_any_rank(shape, seed):
+    z = torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    torch.testing.assert_close(log_statistics(z).exp(), direct_stats(z), rtol=1e-12, atol=0)
+
+
+@given(shape=shapes, seed=st.integers(0, 2**16), data=st.data())
+def test_kron_is_invariant_to_permuting_the_dims_of_z(shape, seed, data):
+    g = torch.Generator().manual_seed(seed)
+    zs = torch.randn((6, *shape), generator=g, dtype=torch.float64)
+    perm = data.draw(st.permutations(range(len(shape))))
+    ls = torch.stack([log_statistics(z) for z in zs])
+    ls_perm = torch.stack([log_statistics(z.permute(tuple(perm))) for z in zs])
+    a = log_sq_norm(mean_log_stats(ls), "kron")
+    b = log_sq_norm(mean_log_stats(ls_perm), "kron")
+    torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_rank_zero_and_one_reduce_to_the_design_formulas():
+    g = torch.Generator().manual_seed(0)
+    scalars = torch.randn(50, generator=g, dtype=torch.float64)
+    vectors = torch.randn(50, 7, generator=g, dtype=torch.float64)
+    ls0 = mean_log_stats(torch.stack([log_statistics(z) for z in scalars]))
+    ls1 = mean_log_stats(torch.stack([log_statistics(z) for z in vectors]))
+    for est in ("kron", "full", "iid"):
+        torch.testing.assert_close(log_sq_norm(ls0, est).exp(), scalars.square().mean())
+    torch.testing.assert_close(log_sq_norm(ls1, "kron").exp(), vectors.sum(1).square().mean())
+    torch.testing.assert_close(log_sq_norm(ls1, "full").exp(), vectors.sum(1).square().mean())
+    torch.testing.assert_close(log_sq_norm(ls1, "iid").exp(), vectors.square().sum(1).mean())
+
+
+def test_matrix_kron_is_the_papers_three_ema_formula():
+    zs = torch.randn(40, 3, 5, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    e_z2 = zs.square().sum((1, 2)).mean()
+    e_zzt = zs.sum(1).square().sum(1).mean()
+    e_ztz = zs.sum(2).square().sum(1).mean()
+    ls = mean_log_stats(torch.stack([log_statistics(z) for z in zs]))
+    torch.testing.assert_close(log_sq_norm(ls, "kron").exp(), e_zzt * e_ztz / e_z2)
+    torch.testing.assert_close(log_sq_norm(ls, "kron", "weight").exp(), e_ztz)
+    torch.testing.assert_close(log_sq_norm(ls, "kron", "bias").exp(), e_z2)
+    # The readout variants only change kron: full and iid keep their meaning.
+    torch.testing.assert_close(log_sq_norm(ls, "full", "weight"), log_sq_norm(ls, "full"))
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e30])
+@pytest.mark.parametrize("rank", [0, 1, 2, 4])
+def test_extreme_float32_magnitudes_are_finite_and_correct(magnitude, rank):
+    shape = (3,) * rank
+    zs = torch.randn((8, *shape), generator=torch.Generator().manual_seed(2))
+    ls = torch.stack([log_statistics(z) for z in zs])
+    ls_scaled = torch.stack([log_statistics(z * magnitude) for z in zs.float()])
+    assert ls_scaled.dtype == torch.float64 and torch.isfinite(ls_scaled).all()
+    shift = 2 * math.log(magnitude)
+    torch.testing.assert_close(ls_scaled, ls + shift, rtol=1e-5, atol=1e-4)
+    est = fslr_from_log(log_sq_norm(mean_log_stats(ls_scaled), "kron"))
+    ref = fslr_from_log(log_sq_norm(mean_log_stats(ls), "kron")) * magnitude
+    assert torch.isfinite(est) and est > 0
+    torch.testing.assert_close(est, ref, rtol=1e-5, atol=0)
+
+
+def test_zero_update_gives_zero_not_nan():
+    ls = torch.stack([log_statistics(torch.zeros(3, 4)) for _ in range(3)])
+    for est in ("kron", "full", "iid"):
+        value = fslr_from_log(log_sq_norm(mean_log_stats(ls), est))
+        assert value == 0.0
+
+
+@given(
+    value=st.lists(st.floats(-50, 50), min_size=1, max_size=4),
+    n=st.integers(1, 20),
+    beta=st.floats(0.0, 0.99),
+)
+def test_ema_of_a_constant_stream_is_that_constant_from_the_first_update(value, n, beta):
+    x = torch.tensor(value, dtype=torch.float64)
+    ema = EMA(beta=beta)
+    for _ in range(n):
+        ema.update({"w": x})
+        torch.testing.assert_close(ema.value()["w"], x, rtol=1e-12, atol=1e-12)
+
+
+def test_ema_is_the_bias_corrected_average_and_round_trips():
+    xs = [1.0, 4.0, 2.0]
+    ema = EMA(beta=0.5)
+    for x in xs:
+        ema.update({"w": torch.tensor([math.log(x)], dtype=torch.float64)})
+    m = 0.0
+    for x in xs:
+        m = 0.5 * m + 0.5 * x
+    expected = m / (1 - 0.5**3)
+    assert math.isclose(float(ema.value()["w"].exp()), expected, rel_tol=1e-12)
+    other = EMA()
+    other.load_state_dict(ema.state_dict())
+    torch.testing.assert_close(other.value()["w"], ema.value()["w"])
+
+
+def test_unknown_estimator_and_bad_beta_are_clear_errors():
+    with pytest.raises(ValueError, match="unknown estimator 'kronn'"):
+        log_sq_norm(torch.zeros(4, dtype=torch.float64), "kronn")
+    with pytest.raises(ValueError, match="beta"):
+        EMA(beta=1.0)

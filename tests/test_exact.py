@@ -1,0 +1,56 @@
+"""``exact``: the jvp ground truth against closed forms."""
+
+from __future__ import annotations
+
+import torch
+from conftest import MLP, random_delta
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import fslr_func as ff
+
+
+@given(n=st.integers(1, 5), k=st.integers(1, 4), d=st.integers(1, 5), seed=st.integers(0, 999))
+def test_exact_of_a_linear_layer_is_the_rms_of_x_dw_transposed(n, k, d, seed):
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Linear(d, k).double()
+    x = torch.randn(n, d, generator=g, dtype=torch.float64)
+    dw = torch.randn(k, d, generator=g, dtype=torch.float64)
+    db = torch.randn(k, generator=g, dtype=torch.float64)
+    got = ff.exact(model, x, {"weight": dw, "bias": db})
+    torch.testing.assert_close(got["weight"], (x @ dw.T).square().mean().sqrt())
+    torch.testing.assert_close(got["bias"], db.square().mean().sqrt())
+
+
+def test_exact_is_the_first_order_output_change(double):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 5)
+    delta = random_delta(model, scale=1.0)
+    got = ff.exact(model, x, delta)
+    params = dict(model.named_parameters())
+    eps = 1e-6
+    for name, d in delta.items():
+        with torch.no_grad():
+            base = model(x)
+            params[name].add_(eps * d)
+            moved = model(x)
+            params[name].sub_(eps * d)
+        finite_difference = ((moved - base) / eps).square().mean().sqrt()
+        torch.testing.assert_close(got[name], finite_difference, rtol=1e-4, atol=0)
+
+
+def test_exact_at_other_params_and_with_dict_output():
+    model = MLP()
+    delta = random_delta(model)
+    shifted = {n: p.detach() + 1.0 for n, p in model.named_parameters()}
+    a = ff.exact(model, torch.randn(3, 5), delta, params=shifted)
+    b = ff.exact(model, torch.randn(3, 5), delta)
+    assert any(not torch.isclose(a[n], b[n]) for n in a)
+    out = ff.exact(
+        nn.Sequential(model),
+        torch.randn(3, 5),
+        {"0." + n: d for n, d in delta.items()},
+        output_fn=lambda o: o[:, :2],
+    )
+    assert set(out) == {"0." + n for n in delta}

@@ -1,0 +1,249 @@
+"""The probe and ``estimate`` against the jvp ground truth, and their properties."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import MLP, AttentionBlock, ConvNet, DictOutput, ResMLP, random_delta
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+from torch.func import functional_call, jvp
+
+import fslr_func as ff
+from fslr_func.probe import draw_omega, probe
+
+CASES = {
+    "mlp": (lambda: MLP(), lambda g: torch.randn(6, 5, generator=g)),
+    "conv": (lambda: ConvNet(), lambda g: torch.randn(3, 2, 5, 5, generator=g)),
+    "attention": (lambda: AttentionBlock(), lambda g: torch.randn(2, 4, 6, generator=g)),
+}
+
+
+def jdw(model, x, name, d):
+    """J dW for one tensor, by forward-mode AD (independent of the library)."""
+    params = {n: p.detach() for n, p in model.named_parameters()}
+
+    def f(w):
+        return functional_call(model, {**params, name: w}, (x,)).reshape(-1)
+
+    return jvp(f, (params[name],), (d,))[1]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_sum_of_z_is_omega_dot_j_dw_over_sqrt_m(case, double):
+    make_model, make_x = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    x = make_x(torch.Generator().manual_seed(1))
+    delta = random_delta(model, seed=2)
+    samples = 3
+    result = probe(model, x, delta, samples=samples, generator=torch.Generator().manual_seed(3))
+    g = torch.Generator().manual_seed(3)
+    m = result.num_outputs
+    omegas = [draw_omega(m, "gaussian", g, x.device, x.dtype) for _ in range(samples)]
+    for name, d in delta.items():
+        t = jdw(model, x, name, d)
+        expected = torch.stack([(w @ t) ** 2 / m for w in omegas])
+        got = result.log_stats[name][:, -1].exp()  # (sum Z)^2 per sample
+        torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-30)
+
+
+def test_full_is_unbiased_for_exact_squared(double):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(6, 5)
+    delta = random_delta(model, seed=1)
+    exact = ff.exact(model, x, delta)
+    result = probe(model, x, delta, samples=4000, generator=torch.Generator().manual_seed(0))
+    for name, ls in result.log_stats.items():
+        q_full = ls[:, -1].exp()
+        mean, se = q_full.mean(), q_full.std() / math.sqrt(len(q_full))
+        # 4 standard errors: a false failure has probability below 1e-4 per tensor.
+        assert abs(mean - exact[name] ** 2) < 4 * se, name
+
+
+def test_kron_equals_exact_where_the_kronecker_assumption_holds(double):
+    # One linear layer, one datum, rank-1 update: Cov(Z_ij, Z_i'j') = u_i^2 d_ii' b_j b_j' / K
+    # factorises exactly, so E[kron] -> exact^2. With S samples each of the three means has a
+    # relative standard error of about sqrt(2/S) (chi-square); at S = 20000 that is 1%, and
+    # the ratio of three such means stays well within 5%.
+    torch.manual_seed(0)
+    model = nn.Linear(6, 4)
+    x = torch.randn(1, 6)
+    u, v = torch.randn(4, 1), torch.randn(1, 6)
+    delta = {"weight": u @ v}
+    exact = ff.exact(model, x, delta)["weight"]
+    est = ff.estimate(
+        model, x, delta, samples=20000, readout=None, generator=torch.Generator().manual_seed(1)
+    )["weight"]
+    assert float(est) == pytest.approx(float(exact), rel=0.05)
+
+
+@given(c=st.floats(1e-6, 1e6) | st.floats(-1e6, -1e-6), estimator=st.sampled_from(ff.ESTIMATORS))
+def test_homogeneity_fslr_of_c_delta_is_abs_c_times_fslr(c, estimator):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(4, 5)
+    delta = random_delta(model)
+    scaled = {n: c * d for n, d in delta.items()}
+    a = ff.estimate(
+        model, x, delta, samples=3, estimator=estimator, generator=torch.Generator().manual_seed(0)
+    )
+    b = ff.estimate(
+        model, x, scaled, samples=3, estimator=estimator, generator=torch.Generator().manual_seed(0)
+    )
+    for n in delta:
+        torch.testing.assert_close(b[n], abs(c) * a[n], rtol=1e-4, atol=0)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_strategies_and_chunk_sizes_agree_for_the_same_omega(case, double):
+    make_model, make_x = CASES[case]
+    torch.manual_seed(0)
+    model = make_model()
+    x = make_x(torch.Generator().manual_seed(1))
+    delta = random_delta(model)
+
+    def run(**kw):
+        return probe(model, x, delta, samples=5, generator=torch.Generator().manual_seed(7), **kw)
+
+    ref = run(strategy="loop").log_stats
+    for kw in (
+        {"strategy": "vmap"},
+        {"strategy": "vmap", "chunk_size": 2},
+        {"strategy": "vmap", "chunk_size": 1},
+        {"strategy": "autograd"},
+    ):
+        got = run(**kw).log_stats
+        for n in delta:
+            torch.testing.assert_close(got[n], ref[n], rtol=1e-10, atol=1e-10, msg=str(kw))
+
+
+def test_rademacher_omega_has_lower_variance_than_gaussian_for_full(double):
+    # Gaussian omega: Var[(sum Z)^2] = 2 sigma^4; Rademacher removes the fourth-moment term,
+    # which is large when few outputs carry the movement (here one datum, 3 outputs).
+    torch.manual_seed(0)
+    model, x = MLP(d_out=3), torch.randn(1, 5)
+    delta = random_delta(model)
+    var = {}
+    for kind in ("gaussian", "rademacher"):
+        r = probe(
+            model, x, delta, samples=3000, omega=kind, generator=torch.Generator().manual_seed(0)
+        )
+        var[kind] = {n: ls[:, -1].exp().var() for n, ls in r.log_stats.items()}
+    for n in delta:
+        assert var["rademacher"][n] < 0.8 * var["gaussian"][n], n
+
+
+def test_readout_variant_equals_its_row_independent_formula(double):
+    torch.manual_seed(0)
+    model, x = ResMLP(), torch.randn(5, 6)
+    delta = random_delta(model)
+    r = probe(model, x, delta, samples=6, generator=torch.Generator().manual_seed(0))
+    assert r.readout_module == "readout"
+    assert r.readout == {"readout.weight": "weight", "readout.bias": "bias"}
+    # Rebuild Z for the readout weight by hand: g = J^T omega / sqrt(M).
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(0)
+    zs = []
+    for _ in range(6):
+        out, vjp_fn = torch.func.vjp(lambda p: functional_call(model, p, (x,)).reshape(-1), params)
+        w = draw_omega(out.numel(), "gaussian", g, x.device, x.dtype)
+        zs.append(vjp_fn(w / math.sqrt(out.numel()))[0]["readout.weight"] * delta["readout.weight"])
+    expected = torch.stack([z.sum(1).square().sum() for z in zs]).mean().sqrt()
+    est = ff.estimate(model, x, delta, samples=6, generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(est["readout.weight"], expected, rtol=1e-10, atol=0)
+    # Switching the readout off gives the tensor-normal estimator instead.
+    off = ff.estimate(
+        model, x, delta, samples=6, readout=None, generator=torch.Generator().manual_seed(0)
+    )
+    assert not torch.isclose(off["readout.weight"], expected)
+
+
+def test_readout_is_detected_through_output_fn_on_a_dict_model():
+    model = DictOutput()
+    r = probe(model, torch.randn(3, 4), random_delta(model), output_fn=lambda o: o["logits"])
+    assert r.readout_module == "head"
+    assert set(r.readout) == {"head.weight", "head.bias"}
+
+
+def test_readout_can_be_named_and_a_wrong_name_is_a_clear_error():
+    model = MLP()
+    r = probe(model, torch.randn(3, 5), random_delta(model), readout="out")
+    assert set(r.readout) == {"out.weight", "out.bias"}
+    with pytest.raises(ValueError, match="did you mean"):
+        probe(model, torch.randn(3, 5), random_delta(model), readout="outt")
+
+
+def test_no_readout_when_the_output_is_not_a_layer_output():
+    model = MLP()
+    r = probe(model, torch.randn(3, 5), random_delta(model), output_fn=lambda o: 2 * o)
+    assert r.readout_module is None and r.readout == {}
+
+
+def test_batchnorm_running_statistics_are_bit_identical_after_a_probe():
+    model = nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+    model.train()
+    before = {n: b.clone() for n, b in model.named_buffers()}
+    params = {n: p.clone() for n, p in model.named_parameters()}
+    ff.estimate(model, torch.randn(8, 4), random_delta(model), samples=4)
+    ff.exact(model, torch.randn(8, 4), random_delta(model))
+    for n, b in model.named_buffers():
+        assert torch.equal(b, before[n]), n
+    for n, p in model.named_parameters():
+        assert torch.equal(p, params[n]), n
+
+
+def test_frozen_parameters_are_constants_and_tied_weights_appear_once():
+    model = MLP()
+    model.inp.weight.requires_grad_(False)
+    delta = random_delta(model)
+    with pytest.raises(ValueError, match="frozen"):
+        ff.estimate(model, torch.randn(3, 5), delta)
+    del delta["inp.weight"]
+    assert set(ff.estimate(model, torch.randn(3, 5), delta)) == set(delta)
+
+    tied = nn.Sequential(nn.Embedding(5, 4), nn.Linear(4, 5, bias=False))
+    tied[1].weight = tied[0].weight
+    names = [n for n, _ in tied.named_parameters()]
+    assert names == ["0.weight"]
+    r = probe(tied, torch.tensor([[0, 1, 2]]), random_delta(tied))
+    assert r.readout == {}  # a tied head is not given the readout variant
+
+
+def test_a_subset_of_tensors_can_be_measured():
+    model = MLP()
+    delta = {"hidden.weight": torch.randn(7, 7)}
+    assert set(ff.estimate(model, torch.randn(3, 5), delta)) == {"hidden.weight"}
+
+
+def test_clear_errors_for_bad_input():
+    model, x = MLP(), torch.randn(3, 5)
+    delta = random_delta(model)
+    with pytest.raises(ValueError, match=r"'hiden.weight': did you mean \['hidden.weight'"):
+        ff.estimate(model, x, {"hiden.weight": delta["hidden.weight"]})
+    with pytest.raises(ValueError, match="shapes differ"):
+        ff.estimate(model, x, {"hidden.weight": torch.zeros(3, 3)})
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        ff.estimate(model, x, {"hidden.weight": torch.full((7, 7), float("nan"))})
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        ff.exact(model, x, {"hidden.weight": torch.full((7, 7), float("inf"))})
+    with pytest.raises(ValueError, match="empty"):
+        ff.estimate(model, x, {})
+    with pytest.raises(TypeError, match="output_fn"):
+        ff.estimate(DictOutput(), torch.randn(3, 4), random_delta(DictOutput()))
+    with pytest.raises(ValueError, match="samples"):
+        ff.estimate(model, x, delta, samples=0)
+    with pytest.raises(ValueError, match="unknown omega"):
+        ff.estimate(model, x, delta, omega="uniform")
+    with pytest.raises(ValueError, match="unknown estimator"):
+        ff.estimate(model, x, delta, estimator="diag")
+
+
+def test_a_seeded_generator_reproduces_the_estimate():
+    model, x = MLP(), torch.randn(3, 5)
+    delta = random_delta(model)
+    a = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(5))
+    b = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(5))
+    assert all(torch.equal(a[n], b[n]) for n in a)

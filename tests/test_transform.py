@@ -1,0 +1,144 @@
+"""``with_fslr``: transparency, unit-learning-rate updates, EMAs and checkpoints."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from conftest import MLP, ResMLP
+from torch import nn
+
+import fslr_func as ff
+
+
+def train_step(fm, opt, x, y, probe_x=None):
+    opt.zero_grad()
+    nn.functional.cross_entropy(fm(x), y).backward()
+    if probe_x is None:
+        opt.step()
+        return None
+    with fm.measure(opt, probe_x) as m:
+        opt.step()
+    return m
+
+
+def data(seed=0, n=16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 6, generator=g), torch.randint(0, 4, (n,), generator=g)
+
+
+def test_forward_is_the_models_and_parameters_are_shared():
+    model = ResMLP()
+    fm = ff.with_fslr(model)
+    x, _ = data()
+    assert torch.equal(fm(x), model(x))
+    assert [p for p in fm.parameters()] == [p for p in model.parameters()]
+    assert fm.module is model
+
+
+def test_measure_uses_unit_lr_updates_for_any_param_group_layout(double):
+    torch.manual_seed(0)
+    model = ResMLP()
+    fm = ff.with_fslr(model, samples=4, seed=0)
+    opt = torch.optim.SGD(
+        [
+            {"params": [model.input.weight, model.input.bias], "lr": 0.1},
+            {"params": list(model.blocks.parameters()), "lr": 0.01},
+            {"params": list(model.readout.parameters()), "lr": 0.5},
+        ],
+        lr=1.0,
+    )
+    x, y = data()
+    probe_x, _ = data(1)
+    m = train_step(fm, opt, x, y, probe_x)
+    # SGD's unit-rate update is minus the gradient, whatever the group's rate.
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(m.delta[n], -p.grad, rtol=1e-10, atol=1e-12)
+    assert m.lrs["blocks.0.weight"] == 0.01 and m.lrs["readout.bias"] == 0.5
+    # The probe ran at the pre-update weights: it equals a one-shot estimate there.
+    expected = ff.estimate(
+        model,
+        probe_x,
+        m.delta,
+        samples=4,
+        params=m.before,
+        generator=torch.Generator().manual_seed(0),
+    )
+    for n in expected:
+        torch.testing.assert_close(m.fslr[n], expected[n], rtol=1e-10, atol=0)
+
+
+def test_probe_does_not_mutate_the_module_or_its_gradients():
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 4))
+    fm = ff.with_fslr(model, samples=2)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    x, y = data()
+    opt.zero_grad()
+    nn.functional.cross_entropy(fm(x), y).backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with fm.measure(opt, data(1)[0]):
+        opt.step()
+    after = {n: p.detach().clone() for n, p in model.named_parameters()}
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    fm.observe(data(2)[0], {n: torch.ones_like(p) for n, p in model.named_parameters()})
+    for n, p in model.named_parameters():
+        assert torch.equal(p, after[n]) and torch.equal(p.grad, grads[n]), n
+    for n, b in model.named_buffers():
+        assert torch.equal(b, buffers[n]), n
+
+
+def test_ema_accumulates_and_a_list_of_batches_warms_it_up():
+    torch.manual_seed(0)
+    model = MLP(d_in=6, d_out=4)
+    fm = ff.with_fslr(model, samples=2, seed=0)
+    delta = {n: 1e-2 * torch.ones_like(p) for n, p in model.named_parameters()}
+    fm.observe([data(i)[0] for i in range(5)], delta)
+    assert fm.ema.count == 5
+    assert all(torch.isfinite(v) and v > 0 for v in fm.fslr().values())
+
+
+def test_state_dict_round_trip_restores_emas_and_the_omega_stream():
+    torch.manual_seed(0)
+    make = lambda: ff.with_fslr(ResMLP(), samples=3, seed=1)  # noqa: E731
+    fm = make()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    for i in range(3):
+        train_step(fm, opt, *data(i), probe_x=data(10 + i)[0])
+    buffer = io.BytesIO()
+    torch.save(fm.state_dict(), buffer)
+    buffer.seek(0)
+    other = make()
+    other.load_state_dict(torch.load(buffer, weights_only=False))
+    for n, v in fm.fslr().items():
+        torch.testing.assert_close(other.fslr()[n], v, rtol=0, atol=0)
+    assert other.readout_roles == fm.readout_roles
+    # The next probe draws the same omegas in both.
+    delta = {n: torch.ones_like(p) for n, p in fm.module.named_parameters()}
+    a, b = fm.observe(data(5)[0], delta), other.observe(data(5)[0], delta)
+    for n in a:
+        torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
+
+
+def test_readout_detection_in_the_wrapper_and_switching_it_off():
+    torch.manual_seed(0)
+    delta = {n: torch.ones_like(p) for n, p in ResMLP().named_parameters()}
+    fm = ff.with_fslr(ResMLP(), samples=2)
+    fm.observe(data()[0], delta)
+    assert fm.readout_roles == {"readout.weight": "weight", "readout.bias": "bias"}
+    off = ff.with_fslr(ResMLP(), samples=2, readout=None)
+    off.observe(data()[0], delta)
+    assert off.readout_roles == {}
+
+
+def test_wrapper_errors_are_clear():
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ff.with_fslr(nn.ReLU())
+    with pytest.raises(ValueError, match="unknown estimator"):
+        ff.with_fslr(MLP(), estimator="kfac")
+    with pytest.raises(ValueError, match="unknown omega"):
+        ff.with_fslr(MLP(), omega="sphere")
+    fm = ff.with_fslr(MLP())
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=r"fm\.parameters"), fm.measure(other, torch.randn(2, 5)):
+        pass
