@@ -1,0 +1,389 @@
+"""FSLRRecord: JSON round trip, atomic save, load errors, seed averaging, lookup, append."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fslr_func.record import FORMAT, META_KEYS, VERSION, FSLRRecord, optimizer_meta
+
+SETTINGS = settings(max_examples=50, deadline=None)
+
+finite = st.floats(min_value=0.0, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def records(draw: st.DrawFn) -> FSLRRecord:
+    names = draw(st.lists(st.text(min_size=1, max_size=12), min_size=1, max_size=5, unique=True))
+    steps = sorted(draw(st.lists(st.integers(0, 10**6), min_size=0, max_size=6, unique=True)))
+    n = len(steps)
+    fslr = {k: draw(st.lists(finite, min_size=n, max_size=n)) for k in names}
+    lrs = (
+        {k: draw(st.lists(finite, min_size=n, max_size=n)) for k in names}
+        if draw(st.booleans())
+        else {}
+    )
+    sched = draw(st.lists(finite, min_size=n, max_size=n))
+    meta = {
+        "base_lr": draw(finite),
+        "seed": draw(st.integers(0, 100)),
+        "shapes": {k: draw(st.lists(st.integers(1, 64), max_size=4)) for k in names},
+        "extra": draw(st.dictionaries(st.text(max_size=5), st.integers(), max_size=3)),
+    }
+    return FSLRRecord(steps=steps, fslr=fslr, lrs=lrs, sched=sched, meta=meta)
+
+
+def simple(values: list[float], seed: int = 0, steps: list[int] | None = None) -> FSLRRecord:
+    steps = steps if steps is not None else list(range(0, 100 * len(values), 100))
+    return FSLRRecord(
+        steps=steps,
+        fslr={"a": list(values), "b": [2 * v for v in values]},
+        lrs={"a": [0.1] * len(values), "b": [0.2] * len(values)},
+        sched=[1.0] * len(values),
+        meta={"base_lr": 0.1, "seed": seed, "shapes": {"a": [3, 4], "b": [4]}},
+    )
+
+
+# ---------------------------------------------------------------------------------- construction
+
+
+def test_defaults_fill_meta_and_sched() -> None:
+    rec = FSLRRecord(steps=[0, 1], fslr={"w": [1.0, 2.0]})
+    assert rec.sched == [1.0, 1.0]
+    assert set(META_KEYS) <= set(rec.meta)
+    assert isinstance(rec.meta["library_version"], str)
+    assert rec.names == ["w"] and len(rec) == 2 and rec.lrs == {}
+
+
+def test_shapes_property_and_normalisation() -> None:
+    rec = FSLRRecord(meta={"shapes": {"w": (3, 4), "b": torch.Size([4])}})
+    assert rec.meta["shapes"] == {"w": [3, 4], "b": [4]}
+    assert rec.shapes == {"w": (3, 4), "b": (4,)}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"steps": [0, 0], "fslr": {"w": [1.0, 1.0]}}, "strictly increasing"),
+        ({"steps": [1, 0], "fslr": {"w": [1.0, 1.0]}}, "strictly increasing"),
+        ({"steps": [0, 1], "fslr": {"w": [1.0]}}, r"fslr\['w'\] has 1 values but there are 2"),
+        ({"steps": [0], "fslr": {"w": [math.nan]}}, "finite"),
+        ({"steps": [0], "fslr": {"w": [-1.0]}}, ">= 0"),
+        ({"steps": [0], "fslr": {"w": [1.0]}, "sched": [1.0, 1.0]}, "sched has 2 values"),
+        ({"steps": [0], "fslr": {"w": [1.0]}, "lrs": {"w": [math.inf]}}, "finite"),
+        ({"steps": [0.5], "fslr": {"w": [1.0]}}, "must be an int"),
+        ({"steps": [0], "fslr": {}}, "no tensors"),
+    ],
+)
+def test_constructor_validation(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        FSLRRecord(**kwargs)
+
+
+# ---------------------------------------------------------------------------------- save / load
+
+
+@SETTINGS
+@given(rec=records())
+def test_save_load_round_trip(rec: FSLRRecord, tmp_path_factory: pytest.TempPathFactory) -> None:
+    path = tmp_path_factory.mktemp("rt") / "rec.json"
+    rec.save(path)
+    back = FSLRRecord.load(path)
+    assert back == rec
+    assert back.names == rec.names  # order preserved
+    data = json.loads(path.read_text())
+    assert data["format"] == FORMAT and data["version"] == VERSION
+    assert list(data)[:2] == ["format", "version"]
+
+
+def test_save_overwrites_and_leaves_no_temp(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    simple([1.0]).save(path)
+    simple([1.0, 2.0]).save(str(path))
+    assert len(FSLRRecord.load(str(path))) == 2
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+@pytest.mark.parametrize("fail", ["replace", "fsync", "write"])
+def test_atomic_save_crash_keeps_old_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fail: str
+) -> None:
+    path = tmp_path / "r.json"
+    old = simple([1.0, 2.0])
+    old.save(path)
+    before = path.read_bytes()
+
+    class Crash(RuntimeError):
+        pass
+
+    def boom(*args: object, **kwargs: object) -> None:
+        raise Crash("simulated crash")
+
+    if fail == "replace":
+        monkeypatch.setattr(os, "replace", boom)
+    elif fail == "fsync":
+        monkeypatch.setattr(os, "fsync", boom)
+    else:  # crash after part of the text went out
+        real_fdopen = os.fdopen
+
+        def fdopen(fd: int, *args: object, **kwargs: object):  # type: ignore[no-untyped-def]
+            f = real_fdopen(fd, *args, **kwargs)  # type: ignore[call-overload]
+            real_write = f.write
+
+            def write(text: str) -> int:
+                real_write(text[: len(text) // 2])
+                f.flush()
+                raise Crash("simulated crash mid-write")
+
+            f.write = write
+            return f
+
+        monkeypatch.setattr(os, "fdopen", fdopen)
+
+    with pytest.raises(Crash):
+        simple([5.0, 6.0, 7.0]).save(path)
+    monkeypatch.undo()
+    assert path.read_bytes() == before
+    assert FSLRRecord.load(path) == old
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_save_rejects_non_json_meta_without_touching_file(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    simple([1.0]).save(path)
+    before = path.read_bytes()
+    rec = simple([1.0])
+    rec.meta["bad"] = object()
+    with pytest.raises(ValueError, match="JSON-able"):
+        rec.save(path)
+    rec.meta["bad"] = math.nan
+    with pytest.raises(ValueError, match="JSON-able"):
+        rec.save(path)
+    assert path.read_bytes() == before
+    assert os.listdir(tmp_path) == ["r.json"]
+
+
+def test_load_truncated(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
+    simple([1.0, 2.0, 3.0]).save(path)
+    text = path.read_text()
+    for cut in (0, 1, len(text) // 2, len(text) - 3):
+        path.write_text(text[:cut])
+        with pytest.raises(ValueError, match="damaged or truncated") as info:
+            FSLRRecord.load(path)
+        assert "r.json" in str(info.value) and "re-record" in str(info.value)
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        FSLRRecord.load(path)
+
+
+def _write(path: Path, data: object) -> Path:
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_load_wrong_format(tmp_path: Path) -> None:
+    data = simple([1.0]).to_dict()
+    data["format"] = "something.else"
+    with pytest.raises(ValueError, match=r"not an FSLRRecord.*'something.else'.*FSLRRecord.save"):
+        FSLRRecord.load(_write(tmp_path / "a.json", data))
+    with pytest.raises(ValueError, match=r"not an FSLRRecord.*expected a JSON object"):
+        FSLRRecord.load(_write(tmp_path / "b.json", [1, 2, 3]))
+    del data["format"]
+    with pytest.raises(ValueError, match="not an FSLRRecord"):
+        FSLRRecord.load(_write(tmp_path / "c.json", data))
+
+
+def test_load_newer_or_bad_version(tmp_path: Path) -> None:
+    data = simple([1.0]).to_dict()
+    data["version"] = VERSION + 1
+    with pytest.raises(ValueError, match=rf"version {VERSION + 1}.*upgrade fslr_func"):
+        FSLRRecord.load(_write(tmp_path / "a.json", data))
+    data["version"] = "1"
+    with pytest.raises(ValueError, match="'version' must be an int"):
+        FSLRRecord.load(_write(tmp_path / "b.json", data))
+    data["version"] = 0
+    with pytest.raises(ValueError, match="unknown FSLRRecord format version 0"):
+        FSLRRecord.load(_write(tmp_path / "c.json", data))
+
+
+def test_load_missing_or_invalid_fields(tmp_path: Path) -> None:
+    data = simple([1.0, 2.0]).to_dict()
+    del data["sched"], data["meta"]
+    with pytest.raises(ValueError, match=r"damaged: missing fields \['sched', 'meta'\]"):
+        FSLRRecord.load(_write(tmp_path / "a.json", data))
+    data = simple([1.0, 2.0]).to_dict()
+    data["fslr"]["a"] = [1.0]
+    with pytest.raises(ValueError, match=r"damaged: fslr\['a'\] has 1 values"):
+        FSLRRecord.load(_write(tmp_path / "b.json", data))
+
+
+def test_load_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError):
+        FSLRRecord.load(tmp_path / "nope.json")
+
+
+# ---------------------------------------------------------------------------------- mean
+
+
+@SETTINGS
+@given(
+    n_seeds=st.integers(1, 5),
+    n_steps=st.integers(1, 5),
+    data=st.data(),
+)
+def test_mean_is_elementwise_mean(n_seeds: int, n_steps: int, data: st.DataObject) -> None:
+    recs = []
+    for seed in range(n_seeds):
+        values = data.draw(st.lists(finite, min_size=n_steps, max_size=n_steps))
+        sched = data.draw(st.lists(finite, min_size=n_steps, max_size=n_steps))
+        rec = simple(values, seed=seed)
+        rec.sched = sched
+        recs.append(rec)
+    m = FSLRRecord.mean(iter(recs))  # any iterable
+    assert m.steps == recs[0].steps
+    assert m.names == ["a", "b"]
+    for name in m.names:
+        for i in range(n_steps):
+            expect = sum(r.fslr[name][i] for r in recs) / n_seeds
+            assert math.isclose(m.fslr[name][i], expect, rel_tol=1e-12, abs_tol=1e-300)
+    for i in range(n_steps):
+        expect = sum(r.sched[i] for r in recs) / n_seeds
+        assert math.isclose(m.sched[i], expect, rel_tol=1e-12, abs_tol=1e-300)
+    assert m.lrs == {"a": [0.1] * n_steps, "b": [0.2] * n_steps}
+    assert m.meta["seed"] == list(range(n_seeds))
+    assert m.meta["base_lr"] == 0.1 and m.shapes == recs[0].shapes
+
+
+def test_mean_of_means_flattens_seeds_and_copies_meta() -> None:
+    a = FSLRRecord.mean([simple([1.0], 0), simple([3.0], 1)])
+    b = FSLRRecord.mean([a, simple([5.0], 2)])
+    assert b.meta["seed"] == [0, 1, 2]
+    a.meta["shapes"]["a"].append(9)
+    assert b.meta["shapes"]["a"] == [3, 4]
+
+
+def test_mean_rejects_mismatches() -> None:
+    base = simple([1.0, 2.0])
+    other = simple([1.0, 2.0])
+    other.fslr["c"] = other.fslr.pop("b")
+    with pytest.raises(ValueError, match=r"different tensors.*\['b'\].*\['c'\]"):
+        FSLRRecord.mean([base, other])
+    with pytest.raises(ValueError, match=r"different steps.*\[100\].*\[50\]"):
+        FSLRRecord.mean([base, simple([1.0, 2.0], steps=[0, 50])])
+    other = simple([1.0, 2.0])
+    other.meta["shapes"]["b"] = [5]
+    with pytest.raises(ValueError, match=r"different shapes for tensors \['b'\]"):
+        FSLRRecord.mean([base, other])
+    other = simple([1.0, 2.0])
+    other.lrs = {}
+    with pytest.raises(ValueError, match="different lrs tensors"):
+        FSLRRecord.mean([base, other])
+    other = simple([1.0, 2.0])
+    other.meta["base_lr"] = 0.2
+    with pytest.raises(ValueError, match="different base_lr"):
+        FSLRRecord.mean([base, other])
+    with pytest.raises(ValueError, match="at least one"):
+        FSLRRecord.mean([])
+
+
+# ---------------------------------------------------------------------------------- at
+
+
+def test_at_lookup_semantics() -> None:
+    rec = FSLRRecord(steps=[10, 20, 40], fslr={"w": [1.0, 2.0, 3.0]}, sched=[1.0, 0.5, 0.25])
+    expect = {0: 1.0, 9: 1.0, 10: 1.0, 19: 1.0, 20: 2.0, 39: 2.0, 40: 3.0, 10**9: 3.0, -5: 1.0}
+    for step, value in expect.items():
+        assert rec.at(step) == {"w": value}
+    assert [rec.sched_at(s) for s in (0, 20, 39, 41)] == [1.0, 0.5, 0.5, 0.25]
+    out = rec.at(20)
+    out["w"] = 99.0
+    assert rec.fslr["w"][1] == 2.0  # a copy
+    with pytest.raises(ValueError, match="empty"):
+        FSLRRecord().at(0)
+    with pytest.raises(ValueError, match="empty"):
+        FSLRRecord().sched_at(0)
+
+
+# ---------------------------------------------------------------------------------- append
+
+
+def test_append_builds_record_and_accepts_tensors() -> None:
+    rec = FSLRRecord()
+    rec.append(0, {"w": torch.tensor(0.5), "b": 0.25}, lrs={"w": 1e-3, "b": 1e-3})
+    rec.append(5, {"b": torch.tensor([0.2]), "w": 0.4}, lrs={"w": 1e-3, "b": 1e-3}, sched=0.5)
+    assert rec.steps == [0, 5]
+    assert rec.names == ["w", "b"]
+    assert rec.fslr == {"w": [0.5, pytest.approx(0.4)], "b": [0.25, pytest.approx(0.2)]}
+    assert all(type(v) is float for vs in rec.fslr.values() for v in vs)
+    assert rec.sched == [1.0, 0.5]
+    assert FSLRRecord(steps=rec.steps, fslr=rec.fslr, lrs=rec.lrs, sched=rec.sched) == FSLRRecord(
+        steps=[0, 5], fslr=rec.fslr, lrs=rec.lrs, sched=[1.0, 0.5]
+    )
+
+
+def test_append_validation_leaves_record_unchanged() -> None:
+    rec = FSLRRecord()
+    rec.append(3, {"w": 1.0, "b": 2.0})
+    snapshot = FSLRRecord(**{k: getattr(rec, k) for k in ("steps", "fslr", "lrs", "sched", "meta")})
+    bad = [
+        ((3, {"w": 1.0, "b": 2.0}), {}, "steps must increase"),
+        ((2, {"w": 1.0, "b": 2.0}), {}, "steps must increase"),
+        ((4, {"w": 1.0}), {}, r"missing \['b'\]"),
+        ((4, {"w": 1.0, "b": 2.0, "c": 3.0}), {}, r"unexpected \['c'\]"),
+        ((4, {"w": math.nan, "b": 2.0}), {}, r"fslr\['w'\] at step 4 is nan"),
+        ((4, {"w": 1.0, "b": math.inf}), {}, r"fslr\['b'\] at step 4 is inf"),
+        ((4, {"w": torch.tensor(float("nan")), "b": 1.0}), {}, "finite"),
+        ((4, {"w": -1.0, "b": 1.0}), {}, ">= 0"),
+        ((4, {"w": torch.ones(2), "b": 1.0}), {}, "one-element tensor"),
+        ((4, {"w": 1.0, "b": 1.0}), {"sched": math.nan}, "sched at step 4"),
+        ((4, {"w": 1.0, "b": 1.0}), {"lrs": {"w": 1.0, "b": 1.0}}, "every row or none"),
+        ((4, {}), {}, "empty"),
+        ((4.0, {"w": 1.0, "b": 1.0}), {}, "step must be an int"),
+    ]
+    for args, kwargs, match in bad:
+        with pytest.raises(ValueError, match=match):
+            rec.append(*args, **kwargs)  # type: ignore[arg-type]
+        assert rec == snapshot
+
+
+def test_append_lrs_consistency() -> None:
+    rec = FSLRRecord()
+    rec.append(0, {"w": 1.0}, lrs={"w": 0.1})
+    with pytest.raises(ValueError, match="earlier rows have lrs"):
+        rec.append(1, {"w": 1.0})
+    with pytest.raises(ValueError, match=r"lrs names differ.*missing \['w'\]"):
+        rec.append(1, {"w": 1.0}, lrs={"v": 0.1})
+    with pytest.raises(ValueError, match=r"lrs\['w'\] at step 1"):
+        rec.append(1, {"w": 1.0}, lrs={"w": -0.1})
+    assert len(rec) == 1
+
+
+def test_append_respects_declared_names() -> None:
+    rec = FSLRRecord(fslr={"w": [], "b": []})
+    with pytest.raises(ValueError, match=r"missing \['b'\]"):
+        rec.append(0, {"w": 1.0})
+    rec.append(0, {"b": 1.0, "w": 2.0})
+    assert rec.names == ["w", "b"] and rec.at(0) == {"w": 2.0, "b": 1.0}
+
+
+def test_optimizer_meta_is_json_able() -> None:
+    p = torch.zeros(3, requires_grad=True)
+    opt = torch.optim.AdamW([p], lr=3e-4, betas=(0.8, 0.9), weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 0.5)
+    m = optimizer_meta(opt)
+    assert m["optimizer"] == "AdamW"
+    assert m["base_lr"] == pytest.approx(3e-4)  # initial_lr, not the scheduled 1.5e-4
+    assert m["optimizer_hparams"]["betas"] == [0.8, 0.9]
+    assert m["optimizer_hparams"]["weight_decay"] == 0.1
+    json.dumps(m, allow_nan=False)
+    rec = FSLRRecord(meta=m)
+    assert rec.meta["optimizer"] == "AdamW"
+    del sched
