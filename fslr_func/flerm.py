@@ -1,0 +1,390 @@
+r"""FLeRM: function-space learning rate matching (paper section 3.3, Algorithm 1 in blue).
+
+A base run's FSLRs are recorded (:class:`~fslr_func.recorder.Recorder`); :class:`FLeRM` then
+drives a scaled model (wider, deeper, re-initialised, higher LoRA rank) so that each tensor moves
+the function as its base counterpart did. At a *set point* ``t`` it measures the scaled model's
+unit-learning-rate FSLRs and sets, per tensor,
+
+.. math::
+
+    \eta_W(t) = \eta_0 \, \mathrm{sched}(t) \,
+        \frac{\mathrm{FSLR}^\text{base}_W(t)}{\mathrm{FSLR}_W(t)},
+
+with :math:`\eta_0` the base learning rate (``base.meta["base_lr"]``),
+:math:`\mathrm{FSLR}^\text{base}_W(t)` the policy's target for ``W`` from ``base.at(t)`` (depth:
+:func:`fslr_func.policies.share_blocks`) and :math:`\mathrm{sched}(t)` the schedule ratio
+:math:`\eta(t)/\eta(0)`. The step ``t`` is then re-applied with the new rates (weights and
+optimiser state restored to before the step, step again), as in the paper. The ratio
+:math:`r_W = \mathrm{FSLR}^\text{base}_W / \mathrm{FSLR}_W` is kept until the next set point, so
+:math:`\eta_W(t') = \eta_0 \, \mathrm{sched}(t') \, r_W` follows the schedule in between.
+
+Set points: ``mode="static"`` (the paper's main results): once, at ``start_step``, after the
+EMA warm-up (``ceil(warmup_samples / fm.samples)`` probes of that step's update on fresh probe
+batches); ``mode="periodic"``: also every ``every`` steps after it, with one probe each.
+
+Per-tensor rates without touching your param groups: inside ``flerm.step()`` the optimiser's
+``param_groups`` are replaced by one group per tensor (each a copy of its group's
+hyperparameters with the FLeRM rate) and put back when the block exits. Optimiser state is per
+parameter and is unaffected; outside the block the optimiser, its ``state_dict`` and any
+``torch.optim.lr_scheduler`` scheduler see your own groups, so a scheduler never fights FLeRM.
+
+Schedules: ``scheduler=None``: :math:`\mathrm{sched}(t)` is the base run's recorded ratio
+``base.sched_at(t)`` (the paper's cosine-annealing appendix). ``scheduler=`` a scheduler of the
+scaled run's optimiser: :math:`\mathrm{sched}(t)` is that scheduler's ratio, per param group,
+``group["lr"] / group["initial_lr"]``.
+
+Example:
+    >>> import torch, fslr_func as ff
+    >>> from fslr_func.recorder import Recorder
+    >>> def run(width, lr, flerm_base=None):
+    ...     torch.manual_seed(0)
+    ...     net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(),
+    ...                               torch.nn.Linear(width, 3))
+    ...     fm = ff.with_fslr(net, samples=4, seed=0)
+    ...     opt = torch.optim.Adam(fm.parameters(), lr=lr)
+    ...     probes = (torch.randn(16, 4) for _ in range(100))
+    ...     ctl = (Recorder(fm, probes, warmup_samples=8) if flerm_base is None else
+    ...            FLeRM(fm, opt, flerm_base, probe_batches=probes, warmup_samples=8))
+    ...     for t in range(3):
+    ...         opt.zero_grad()
+    ...         fm(torch.randn(16, 4)).square().mean().backward()
+    ...         with ctl.step(opt) if flerm_base is None else ctl.step():
+    ...             opt.step()
+    ...     return ctl
+    >>> base = run(8, lr=1e-2).record
+    >>> flerm = run(32, lr=1e-2, flerm_base=base)
+    >>> [p.step for p in flerm.history], sorted(flerm.lrs()) == sorted(base.names)
+    ([0], True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from . import policies
+from .functional import Inputs
+from .record import FSLRRecord
+from .recorder import ProbeFeed, ProbePlan
+from .transform import FSLRModule
+
+__all__ = ["FLeRM", "SetPoint"]
+
+_STATE_VERSION = 1
+Mode = Literal["static", "periodic"]
+Group = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class SetPoint:
+    """What FLeRM measured and set at one set point.
+
+    Attributes:
+        step: the training step (re-applied with the new rates).
+        lrs: tensor name -> learning rate applied at ``step``, after the set point.
+        fslr: tensor name -> the scaled model's FSLR estimate at unit learning rate.
+        targets: tensor name -> the policy's target (base) FSLR at ``step``.
+        held: tensors whose rate was kept (zero, tiny or non-finite FSLR or target).
+    """
+
+    step: int
+    lrs: dict[str, float]
+    fslr: dict[str, float]
+    targets: dict[str, float]
+    held: tuple[str, ...]
+
+
+class FLeRM:
+    r"""Sets per-tensor learning rates of a scaled model so its FSLRs match a base record.
+
+    Use ``with flerm.step(): optimizer.step()`` on *every* training step, with nothing else in
+    the block (at a set point the step is re-applied by calling ``optimizer.step()`` again, with
+    the same gradients). Call ``scheduler.step()`` after the block, as usual.
+
+    Args:
+        fm: the wrapped scaled model (:func:`fslr_func.with_fslr`); its estimator must be the
+            base record's.
+        optimizer: any ``torch.optim`` optimiser over ``fm``'s parameters, any param groups
+            (SGD, Adam, AdamW, Adagrad, Adamax, RMSprop, sign-SGD...: any optimiser whose step
+            only reads the gradients and its per-parameter state).
+        base: the base run's :class:`~fslr_func.record.FSLRRecord` (mean over seeds or not);
+            ``base.meta["base_lr"]`` is :math:`\eta_0`.
+        probe_batches: endless iterable of probe inputs, separate from the training batches.
+        policy: maps base FSLRs to the scaled tensors: ``"identity"`` (width, init scale, LoRA
+            rank), ``"share_blocks"`` (depth), ``"equal"``, ``"equal_all"`` or any
+            :class:`~fslr_func.policies.Policy`.
+        mode: ``"static"`` (set once at ``start_step``) or ``"periodic"`` (and every
+            ``every`` steps after it).
+        every: period of the periodic set points.
+        warmup_samples: omega samples of the EMA warm-up at ``start_step``.
+        start_step: first set point; earlier steps run at the optimiser's own rates (LoRA:
+            start at step 5, once ``B`` is non-zero).
+        scheduler: the scaled run's own scheduler (its ratio is used instead of the base
+            record's); built before or after FLeRM.
+        min_fslr: FSLRs or targets ``<= min_fslr`` count as zero: the tensor keeps its current
+            rate (one warning per tensor).
+
+    Attributes:
+        names: the tensors FLeRM sets, in ``named_parameters()`` order.
+        ratios: tensor name -> :math:`r_W = \mathrm{FSLR}^\text{base}_W / \mathrm{FSLR}_W` from
+            the latest set point (absent before its first successful set point).
+        history: the :class:`SetPoint` of every set point so far.
+        t: index of the next training step.
+        lr0: :math:`\eta_0`.
+
+    Raises:
+        ValueError: for a base record of another estimator or architecture (tensors named), an
+            empty record or one without ``base_lr``, parameters in the optimiser that are not
+            ``fm``'s, or invalid options.
+    """
+
+    def __init__(
+        self,
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        probe_batches: Iterable[Inputs],
+        policy: str | policies.Policy | None = "identity",
+        mode: Mode = "static",
+        every: int = 100,
+        warmup_samples: int = 40,
+        start_step: int = 0,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        min_fslr: float = 1e-12,
+    ) -> None:
+        if mode not in ("static", "periodic"):
+            raise ValueError(f"mode must be 'static' or 'periodic', got {mode!r}")
+        if not (math.isfinite(min_fslr) and min_fslr >= 0):
+            raise ValueError(f"min_fslr must be a finite number >= 0, got {min_fslr!r}")
+        if scheduler is not None and scheduler.optimizer is not optimizer:
+            raise ValueError("scheduler must be a scheduler of this optimizer")
+        self.fm = fm
+        self.optimizer = optimizer
+        self.base = base
+        self.scheduler = scheduler
+        self.min_fslr = float(min_fslr)
+        self.plan = ProbePlan.of(
+            warmup_samples, fm.samples, every if mode == "periodic" else None, start_step
+        )
+        self._feed = ProbeFeed(probe_batches)
+        self._policy = policies.resolve(policy)
+        self._params = dict(fm.module.named_parameters())
+        self._name_of = {id(p): n for n, p in self._params.items()}
+        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        foreign = sum(1 for i in held if i not in self._name_of)
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {foreign} parameter(s) that are not the wrapped model's: "
+                "FLeRM sets the rates of fm's parameters only; build the optimizer from "
+                "fm.parameters()"
+            )
+        self.names = [n for n, p in self._params.items() if p.requires_grad and id(p) in held]
+        self._check_base()
+        self.lr0 = float(base.meta["base_lr"])
+        self.ratios: dict[str, float] = {}
+        self.history: list[SetPoint] = []
+        self.t = 0
+        self._warned: set[str] = set()
+        self._targets(start_step)  # fail now, not at the set point, on a mismatched record
+
+    # ------------------------------------------------------------------ validation
+
+    def _check_base(self) -> None:
+        base = self.base
+        if len(base) == 0:
+            raise ValueError("the base record is empty: record a base run first")
+        if base.meta.get("base_lr") is None:
+            raise ValueError(
+                "the base record has no meta['base_lr'] (lr_0): record it with a Recorder or "
+                "set record.meta['base_lr']"
+            )
+        estimator = base.meta.get("estimator")
+        if estimator is not None and estimator != self.fm.estimator:
+            raise ValueError(
+                f"the base record was measured with estimator {estimator!r} but the scaled "
+                f"model's wrapper uses {self.fm.estimator!r}: FSLRs of different estimators "
+                f"are not comparable (tensors {self.names[:10]}); use with_fslr(..., "
+                f"estimator={estimator!r}) or re-record the base"
+            )
+        if self._policy is policies.identity:
+            shapes = base.shapes
+            bad = [
+                f"{n!r}: base {list(shapes[n])} vs scaled {list(self._params[n].shape)}"
+                for n in self.names
+                if n in shapes and len(shapes[n]) != self._params[n].dim()
+            ]
+            if bad:
+                raise ValueError(
+                    "the base record is from another architecture: tensors of different rank "
+                    f"under the identity policy: {bad[:10]}"
+                )
+
+    def _targets(self, step: int) -> dict[str, float]:
+        """Policy targets at ``step``; a zero target is kept as 0.0 (the tensor is held)."""
+        base = self.base.at(step)
+        raw = self._policy(base, self.names)
+        zero = []
+        if isinstance(raw, Mapping):
+            zero = [
+                n
+                for n, v in raw.items()
+                if isinstance(v, (int, float))
+                and not isinstance(v, bool)
+                and 0 <= v <= self.min_fslr
+            ]
+
+        def fixed(b: Mapping[str, float], scaled: Sequence[str], /) -> Any:
+            return {**raw, **dict.fromkeys(zero, 1.0)} if zero else raw
+
+        fixed.__qualname__ = getattr(self._policy, "__qualname__", repr(self._policy))
+        targets = policies.apply(fixed, base, self.names)
+        targets.update(dict.fromkeys(zero, 0.0))
+        return targets
+
+    # ------------------------------------------------------------------ rates
+
+    def _split(self, step: int) -> list[Group]:
+        """One param group per tensor, each with its group's hyperparameters and FLeRM rate."""
+        base_ratio = 1.0 if self.scheduler is not None else self.base.sched_at(step)
+        groups = []
+        for g in self.optimizer.param_groups:
+            lr = float(g["lr"])
+            sched = lr / float(g["initial_lr"]) if self.scheduler is not None else base_ratio
+            for p in g["params"]:
+                ratio = self.ratios.get(self._name_of[id(p)])
+                rate = lr if ratio is None else self.lr0 * sched * ratio
+                groups.append({**g, "params": [p], "lr": rate})
+        return groups
+
+    def lrs(self) -> dict[str, float]:
+        """Learning rate of each tensor at the next step (``t``), FLeRM and schedule applied."""
+        return self._rates(self._split(self.t))
+
+    def _rates(self, groups: list[Group]) -> dict[str, float]:
+        rates = {self._name_of[id(g["params"][0])]: g["lr"] for g in groups}
+        return {n: rates[n] for n in self.names}
+
+    # ------------------------------------------------------------------ the step
+
+    @contextlib.contextmanager
+    def step(self) -> Iterator[None]:
+        """Context manager around one ``optimizer.step()``: FLeRM rates, set points."""
+        opt = self.optimizer
+        own = opt.param_groups
+        n = self.plan.probes_at(self.t)
+        opt.param_groups = self._split(self.t)
+        try:
+            if n == 0:
+                yield
+            else:
+                saved = _copy_state(opt)
+                with self.fm.measure(opt, self._feed.take(n)) as m:
+                    yield
+                opt.param_groups = own  # the set point reads the schedule from your groups
+                point = self._set_point(self.t, m.fslr)
+                with torch.no_grad():
+                    for name, w in m.before.items():
+                        self._params[name].copy_(w)
+                opt.state.clear()
+                opt.state.update(saved)
+                opt.param_groups = self._split(self.t)
+                opt.step()
+                self.history.append(point)
+        finally:
+            opt.param_groups = own
+        self.t += 1
+
+    def _set_point(self, step: int, fslr: Mapping[str, Tensor]) -> SetPoint:
+        targets = self._targets(step)
+        measured = {n: float(fslr[n]) if n in fslr else 0.0 for n in self.names}
+        zero, nonfinite = [], []
+        for n in self.names:
+            f, target = measured[n], targets[n]
+            ratio = target / f if math.isfinite(f) and f > self.min_fslr else 0.0
+            if not (math.isfinite(f) and math.isfinite(ratio)):
+                nonfinite.append(n)
+            elif ratio == 0.0:
+                zero.append(n)
+            else:
+                self.ratios[n] = ratio
+        if self.scheduler is None and "initial_lr" in self.optimizer.param_groups[0]:
+            warnings.warn(
+                "FLeRM: a scheduler is attached to the optimizer but was not passed as "
+                "scheduler=...: FLeRM applies the base record's schedule ratio instead of it",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if nonfinite:
+            warnings.warn(
+                f"FLeRM step {step}: non-finite FSLR estimate or rate for {nonfinite[:10]}; "
+                "they keep their previous learning rate",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        new = [n for n in zero if n not in self._warned]
+        if new:
+            self._warned.update(new)
+            warnings.warn(
+                f"FLeRM step {step}: the FSLR or base target of {new[:10]} is zero or below "
+                f"min_fslr={self.min_fslr:g} (e.g. LoRA A while B is still zero); they keep "
+                "their current learning rate (start FLeRM later with start_step=...)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        return SetPoint(
+            step=step,
+            lrs=self._rates(self._split(step)),
+            fslr=measured,
+            targets=targets,
+            held=tuple(zero + nonfinite),
+        )
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Ratios, history, step and probe-batch count (save with model, optimiser, ``fm``)."""
+        return {
+            "version": _STATE_VERSION,
+            "names": list(self.names),
+            "t": self.t,
+            "ratios": dict(self.ratios),
+            "history": [asdict(p) for p in self.history],
+            "warned": sorted(self._warned),
+            "probes_used": self._feed.used,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the probe iterable is fast-forwarded past used batches.
+
+        Raises:
+            ValueError: for another version's state or another model's tensors.
+        """
+        if state.get("version") != _STATE_VERSION:
+            raise ValueError("this FLeRM state was saved by an incompatible fslr_func version")
+        if list(state["names"]) != self.names:
+            raise ValueError(
+                "this FLeRM state is for other tensors: "
+                f"{sorted(set(state['names']) ^ set(self.names))[:10]} differ"
+            )
+        self.t = int(state["t"])
+        self.ratios = {str(k): float(v) for k, v in state["ratios"].items()}
+        self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
+        self._warned = set(state["warned"])
+        self._feed.skip(int(state["probes_used"]))
+
+
+def _copy_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
+    """A copy of the per-parameter optimiser state (tensors cloned)."""
+    return {
+        p: {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
+        for p, s in optimizer.state.items()
+    }

@@ -1,0 +1,184 @@
+"""Recorder: probe schedule, cost on other steps, metadata, schedule ratio, resume."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fslr_func as ff
+from fslr_func.recorder import ProbeFeed, ProbePlan, Recorder
+from fslr_func.transform import Measurement
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    """These models are tiny: one thread is faster, above all on a shared machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def model(seed: int = 0) -> ff.FSLRModule:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).double()
+    return ff.with_fslr(net, samples=4, seed=1)
+
+
+def stream(seed: int) -> Iterator[Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(8, 6, generator=g, dtype=torch.float64)
+
+
+def run(
+    fm: ff.FSLRModule,
+    opt: torch.optim.Optimizer,
+    rec: Recorder,
+    steps: range,
+    sched: torch.optim.lr_scheduler.LRScheduler | None = None,
+) -> list[Measurement | None]:
+    yielded = []
+    for t in steps:
+        g = torch.Generator().manual_seed(100 + t)
+        x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        fm(x).square().mean().backward()
+        with rec.step(opt) as m:
+            opt.step()
+        yielded.append(m)
+        if sched is not None:
+            sched.step()
+    return yielded
+
+
+def test_warmup_then_every_k_steps_on_fresh_batches() -> None:
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1, momentum=0.9)
+    rec = Recorder(fm, stream(0), warmup_samples=10, every=3, start_step=1)
+    calls: list[int] = []
+    observe = fm.observe
+
+    def counting(inputs: Any, delta: Any, **kw: Any) -> dict[str, Tensor]:
+        calls.append(len(inputs))
+        return observe(inputs, delta, **kw)
+
+    fm.observe = counting  # type: ignore[method-assign]
+    yielded = run(fm, opt, rec, range(9))
+    assert rec.record.steps == [1, 4, 7]
+    assert calls == [3, 1, 1]  # ceil(10 / 4) warm-up probes, then one per probe step
+    assert rec.probes_used == 5 and rec.t == 9
+    assert [m is not None for m in yielded] == [t in (1, 4, 7) for t in range(9)]
+    assert all(
+        isinstance(m, Measurement) and set(m.delta) == set(rec.record.names)
+        for m in yielded
+        if m is not None
+    )
+
+
+def test_other_steps_take_no_snapshot(monkeypatch: pytest.MonkeyPatch) -> None:
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(0), warmup_samples=4, every=100)
+    run(fm, opt, rec, range(1))
+    clones: list[int] = []
+    clone = Tensor.clone
+
+    def counting(self: Tensor, *args: Any, **kw: Any) -> Tensor:
+        clones.append(1)
+        return clone(self, *args, **kw)
+
+    monkeypatch.setattr(Tensor, "clone", counting)
+    measured: list[int] = []
+    monkeypatch.setattr(fm, "measure", lambda *a, **k: measured.append(1))
+    with rec.step(opt) as m:
+        opt.step()
+    assert m is None and clones == [] and measured == []
+
+
+def test_record_rows_metadata_and_schedule_ratio() -> None:
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=0.02)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.1)
+    rec = Recorder(fm, stream(0), warmup_samples=4, every=2, scheduler=sched, meta={"seed": 3})
+    run(fm, opt, rec, range(5), sched)
+    r = rec.record
+    assert r.steps == [0, 2, 4]
+    assert r.sched == pytest.approx([1.0, 0.1, 0.01])
+    assert r.lrs["0.weight"] == pytest.approx([0.02, 0.002, 0.0002])
+    assert r.meta["base_lr"] == 0.02 and r.meta["optimizer"] == "Adam"
+    assert r.meta["estimator"] == "kron" and r.meta["samples"] == 4 and r.meta["seed"] == 3
+    assert r.meta["schedule"] == "StepLR" and r.shapes["0.weight"] == (10, 6)
+    assert all(v > 0 and math.isfinite(v) for vals in r.fslr.values() for v in vals)
+
+
+def test_ratio_without_scheduler_is_relative_to_base_lr() -> None:
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    rec = Recorder(fm, stream(0), warmup_samples=4, every=1)
+    run(fm, opt, rec, range(1))
+    opt.param_groups[0]["lr"] = 0.05  # a hand-made schedule
+    run(fm, opt, rec, range(1, 2))
+    assert rec.record.sched == [1.0, 0.5] and rec.record.meta["base_lr"] == 0.1
+
+
+def test_resume_gives_the_uninterrupted_record() -> None:
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(0), warmup_samples=8, every=2)
+    run(fm, opt, rec, range(7))
+    reference = rec.record
+
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(0), warmup_samples=8, every=2)
+    run(fm, opt, rec, range(3))
+    saved = {"fm": fm.state_dict(), "opt": opt.state_dict(), "rec": rec.state_dict()}
+    fm = model(seed=5)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(0), warmup_samples=8, every=2)
+    fm.load_state_dict(saved["fm"])
+    opt.load_state_dict(saved["opt"])
+    rec.load_state_dict(saved["rec"])
+    run(fm, opt, rec, range(3, 7))
+    assert rec.record == reference
+    with pytest.raises(ValueError, match="version"):
+        rec.load_state_dict({**saved["rec"], "version": 0})
+
+
+def test_non_finite_rows_are_skipped_with_a_warning() -> None:
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    rec = Recorder(fm, stream(0), warmup_samples=4, every=1)
+    run(fm, opt, rec, range(1))
+    fm.observe = lambda *a, **k: {"0.weight": torch.tensor(math.inf)}  # type: ignore[method-assign]
+    with pytest.warns(RuntimeWarning, match="non-finite"):
+        run(fm, opt, rec, range(1, 2))
+    assert rec.record.steps == [0]
+
+
+def test_probe_batches_running_out_and_bad_options() -> None:
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    rec = Recorder(fm, [torch.randn(8, 6, dtype=torch.float64)], warmup_samples=8)
+    with pytest.raises(ValueError, match="ran out after 1 batches"):
+        run(fm, opt, rec, range(1))
+    bad: list[dict[str, Any]] = [{"warmup_samples": 0}, {"every": 0}, {"start_step": -1}]
+    for kw in bad:
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            Recorder(fm, stream(0), **kw)
+
+
+def test_plan_and_feed() -> None:
+    plan = ProbePlan.of(warmup_samples=40, samples=8, every=None, start_step=0)
+    assert [plan.probes_at(t) for t in (0, 1, 100)] == [5, 0, 0]
+    batches = [torch.full((1,), float(i)) for i in range(4)]
+    feed = ProbeFeed(iter(batches))
+    assert feed.take(4) == batches
+    with pytest.raises(ValueError, match="ran out after 4"):
+        feed.take(1)
