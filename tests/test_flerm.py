@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import math
 import re
+import runpy
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -452,3 +453,13 @@ def test_docs_flerm_md_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
         warnings.simplefilter("ignore", RuntimeWarning)  # the LoRA snippet's held tensor
         for block in blocks:
             exec(compile(block, str(doc), "exec"), namespace)
+
+
+@pytest.mark.parametrize("name", ["flerm_width.py", "flerm_depth.py"])
+def test_examples_run(name: str, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
+    path = Path(__file__).resolve().parents[1] / "examples" / name
+    argv = [str(path), "--steps", "30", "--lrs", "1e-3", "1e-2", "--seeds", "1"]
+    monkeypatch.setattr("sys.argv", argv)
+    runpy.run_path(str(path), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "best lr" in out and "FLeRM" in out and "nan" not in out
