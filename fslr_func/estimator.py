@@ -26,7 +26,7 @@ The FSLR is the square root of the estimate.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -36,12 +36,66 @@ from torch import Tensor
 Estimator = Literal["kron", "full", "iid"]
 ReadoutRole = Literal["weight", "bias"]
 ESTIMATORS: tuple[str, ...] = ("kron", "full", "iid")
+Grouping = str | Callable[[str, tuple[int, ...]], Sequence[int] | None]
+GROUPINGS: tuple[str, ...] = ("auto", "dims", "matrix")
 
 
 def check_estimator(name: str) -> None:
     """Raise a ``ValueError`` naming the valid estimators if ``name`` is not one of them."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown estimator {name!r}; choose one of {', '.join(ESTIMATORS)}")
+
+
+def check_grouping(grouping: Grouping) -> None:
+    """Raise a ``ValueError`` naming the valid groupings if ``grouping`` is not one of them."""
+    if callable(grouping):
+        return
+    if grouping not in GROUPINGS:
+        raise ValueError(
+            f"unknown grouping {grouping!r}; choose one of {', '.join(GROUPINGS)} or pass a "
+            f"callable (name, shape) -> view shape"
+        )
+
+
+def grouped_shape(name: str, shape: Sequence[int], grouping: Grouping = "auto") -> tuple[int, ...]:
+    """The shape a tensor's ``Z`` is viewed as before its statistics (the Kronecker factors).
+
+    ``kron`` assumes one covariance factor per dim of this view. ``"dims"`` keeps every dim
+    (the paper's tensor-normal factorisation); ``"matrix"`` views a tensor of rank 3 or more
+    as ``(shape[0], prod(shape[1:]))``, output channels by everything else (a conv weight as
+    ``out x (in * kh * kw)``, as in KFC); ``"auto"`` is ``"matrix"``, the grouping measured
+    closest to ``exact`` on conv layers (``docs/grouping.md``). Tensors of rank 0 to 2 are
+    the same under every built-in grouping. A callable gets the parameter name and shape and
+    returns a view shape with the same number of elements (``-1`` allowed), or ``None`` to
+    keep the tensor's own shape.
+
+    Example:
+        >>> grouped_shape("conv.weight", (8, 3, 5, 5), "matrix")
+        (8, 75)
+        >>> grouped_shape("conv.weight", (8, 3, 5, 5), "dims")
+        (8, 3, 5, 5)
+        >>> by_kernel = lambda name, s: (s[0], s[1], -1) if len(s) == 4 else None
+        >>> grouped_shape("conv.weight", (8, 3, 5, 5), by_kernel)
+        (8, 3, 25)
+        >>> grouped_shape("conv.bias", (8,), by_kernel)
+        (8,)
+    """
+    check_grouping(grouping)
+    shape = tuple(int(s) for s in shape)
+    if callable(grouping):
+        try:
+            view = grouping(name, shape)
+            if view is None:
+                return shape
+            return tuple(torch.empty(shape, device="meta").view(*view).shape)
+        except (RuntimeError, TypeError, ValueError) as err:
+            raise ValueError(
+                f"grouping({name!r}, {shape}) did not return a view shape of a tensor of shape "
+                f"{shape}: {err}"
+            ) from err
+    if grouping in ("auto", "matrix") and len(shape) >= 3:
+        return (shape[0], math.prod(shape[1:]))
+    return shape
 
 
 def _stat_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -8,11 +8,16 @@ change of all ``M`` outputs, and
     \mathrm{FSLR}_W = \|J\,dW\|_\mathrm{RMS} = \sqrt{\tfrac{1}{M} \textstyle\sum_m (J\,dW)_m^2}.
 
 One forward-mode pass per tensor: exact, and the reference every estimator is tested against.
+Where forward-mode AD cannot run the model (ops without a forward-mode formula, such as
+``weight_norm``'s fused kernel or ``spectral_norm``'s ``out=`` ops; autograd Functions without
+``setup_context``/``jvp``; in-place updates of captured tensors), ``J dW`` is computed instead
+by the double-vjp trick with plain autograd, :math:`J\,dW = \partial_u \langle J^\top u,
+dW\rangle`, after one warning: the same number, two backward passes per tensor.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -26,6 +31,22 @@ from .functional import (
     check_delta,
     model_forward,
 )
+from .probe import check_forward_seed, warn_once
+
+
+def _autograd_jvp(f: Callable[[Tensor], Tensor], primal: Tensor, tangent: Tensor) -> Tensor:
+    """``J tangent`` of ``f`` at ``primal`` with reverse-mode autograd only (double vjp)."""
+    w = primal.detach().requires_grad_(True)
+    with torch.enable_grad():
+        out = f(w)
+        if not out.requires_grad:
+            return torch.zeros_like(out)
+        u = torch.zeros_like(out, requires_grad=True)
+        (g,) = torch.autograd.grad(out, w, u, create_graph=True, allow_unused=True)
+        if g is None or not g.requires_grad:
+            return torch.zeros_like(out)
+        (jd,) = torch.autograd.grad(g, u, tangent, allow_unused=True)
+    return torch.zeros_like(out) if jd is None else jd.detach()
 
 
 def exact(
@@ -35,6 +56,7 @@ def exact(
     *,
     output_fn: OutputFn | None = None,
     params: Mapping[str, Tensor] | None = None,
+    forward_seed: int | None = None,
 ) -> dict[str, Tensor]:
     """Exact per-tensor FSLR ``||J dW||_RMS`` of the update ``delta``.
 
@@ -44,6 +66,9 @@ def exact(
         delta: parameter name -> update (names of ``named_parameters()``).
         output_fn: maps the model output to the tensor whose movement is measured.
         params: values to linearise at; defaults to the module's current parameters.
+        forward_seed: run every forward under its own RNG seeded with this (the global state
+            is restored after): with dropout, the same seed as the probe's measures the same
+            function. ``None``: each forward draws from the global RNG.
 
     Returns:
         Tensor name -> float64 scalar FSLR.
@@ -55,6 +80,7 @@ def exact(
         >>> exact(model, x, delta)["weight"]  # every output moves by exactly 1
         tensor(1., dtype=torch.float64)
     """
+    check_forward_seed(forward_seed)
     tensors = ModuleTensors.of(model)
     check_delta(delta, tensors)
     point = dict(tensors.trainable)
@@ -63,13 +89,30 @@ def exact(
         point.update({n: p.detach() for n, p in params.items()})
 
     result = {}
+    use_jvp = True
     for name, d in delta.items():
 
         def flat_output(w: Tensor, name: str = name) -> Tensor:
             state = {**point, **tensors.constants(), name: w}
-            out = model_forward(model, state, inputs, output_fn)
+            out = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
             return as_output_tensor(out, output_fn).reshape(-1)
 
-        tangent = jvp(flat_output, (point[name],), (d.to(point[name].dtype),))[1]
+        primal, direction = point[name], d.to(point[name].dtype)
+        tangent = None
+        if use_jvp:
+            try:
+                tangent = jvp(flat_output, (primal,), (direction,))[1]
+            except (RuntimeError, NotImplementedError) as err:
+                use_jvp = False
+                warn_once(
+                    model,
+                    "exact-autograd",
+                    f"forward-mode AD (torch.func.jvp) failed for {type(model).__name__} "
+                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); exact falls "
+                    f"back to a double vjp with plain autograd (same result, two backward "
+                    f"passes per tensor)",
+                )
+        if tangent is None:
+            tangent = _autograd_jvp(flat_output, primal, direction)
         result[name] = tangent.to(torch.float64).square().mean().sqrt()
     return result

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import sys
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -99,15 +100,77 @@ def transformable_attention() -> Iterator[None]:
         yield
 
 
+@contextlib.contextmanager
+def seeded_forward(seed: int | None) -> Iterator[None]:
+    """Run a forward under its own RNG state seeded with ``seed`` (``None``: do nothing).
+
+    The global RNG state is restored afterwards, so the caller's random stream is not
+    advanced. Two forwards with the same seed draw the same random numbers (dropout masks):
+    this is how :func:`fslr_func.exact` and the probe measure the same function.
+    """
+    if seed is None:
+        yield
+        return
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise TypeError(f"forward_seed must be None or an int, got {seed!r}")
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
+
+
+def compiled_inner(model: nn.Module) -> tuple[nn.Module, str]:
+    """The module a ``torch.compile`` wrapper runs, and the prefix its names carry.
+
+    ``torch.compile(model)`` returns an ``OptimizedModule`` whose parameters are named
+    ``_orig_mod.<name>``. The probe and ``exact`` keep those names (they are the ones the
+    optimiser and the user see) but run the original module eagerly: torch.func transforms
+    of a compiled forward would recompile under every transform, or not trace at all.
+    """
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = getattr(eval_frame, "OptimizedModule", None)
+    prefix = ""
+    while compiled is not None and isinstance(model, compiled):
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            break
+        model, prefix = inner, prefix + "_orig_mod."
+    return model, prefix
+
+
+@contextlib.contextmanager
+def eager_submodules() -> Iterator[None]:
+    """Run ``torch.compile``-d submodules eagerly (``torch.compiler.set_stance("force_eager")``).
+
+    Dynamo cannot trace a compiled submodule under torch.func transforms; its original forward
+    computes the same function. A no-op unless torch.compile has been used in the process.
+    """
+    set_stance = getattr(torch.compiler, "set_stance", None)
+    if "torch._dynamo.eval_frame" not in sys.modules or set_stance is None:
+        yield
+        return
+    with set_stance("force_eager"):
+        yield
+
+
 def check_delta(
     delta: Mapping[str, Tensor], tensors: ModuleTensors, *, what: str = "delta"
 ) -> None:
     """Check names, shapes and finiteness of an update dict against a module's tensors.
 
     Raises:
-        ValueError: empty ``delta``; unknown or misspelled names (with close matches); names
-            of frozen parameters; shape mismatches; NaN or Inf entries.
+        ValueError: a model without trainable parameters; empty ``delta``; unknown or
+            misspelled names (with close matches); names of frozen parameters; shape
+            mismatches; NaN or Inf entries.
     """
+    if not isinstance(delta, Mapping):
+        raise TypeError(
+            f"{what} must be a dict from parameter names to tensors, got {type(delta).__name__}"
+        )
+    if not tensors.trainable:
+        raise ValueError(
+            "the model has no trainable parameters (none with requires_grad=True): "
+            "nothing to measure"
+        )
     if len(delta) == 0:
         raise ValueError(f"{what} is empty: pass a dict from parameter names to updates")
     unknown = [n for n in delta if n not in tensors.trainable]
@@ -123,6 +186,11 @@ def check_delta(
             f"{what} names tensors that are not trainable parameters of the model "
             f"(names are those of model.named_parameters()):\n" + "\n".join(lines)
         )
+    not_tensor = [
+        f"  {n!r}: {type(d).__name__}" for n, d in delta.items() if not isinstance(d, Tensor)
+    ]
+    if not_tensor:
+        raise TypeError(f"{what} values must be tensors:\n" + "\n".join(not_tensor))
     bad_shape = [
         f"  {n!r}: {tuple(d.shape)} != {tuple(tensors.trainable[n].shape)}"
         for n, d in delta.items()
@@ -143,11 +211,21 @@ def model_forward(
     tensors: Mapping[str, Tensor],
     inputs: Inputs,
     output_fn: OutputFn | None,
+    *,
+    forward_seed: int | None = None,
 ) -> Any:
-    """``model`` evaluated at ``tensors`` (raw output, before ``output_fn``)."""
+    """``model`` evaluated at ``tensors`` (raw output, before ``output_fn``).
+
+    A ``torch.compile`` wrapper runs its original module (see :func:`compiled_inner`), and
+    compiled submodules run eagerly (:func:`eager_submodules`); ``forward_seed`` runs the
+    forward under its own seeded RNG (see :func:`seeded_forward`).
+    """
     args, kwargs = split_inputs(inputs)
-    with transformable_attention():
-        return functional_call(model, dict(tensors), args, kwargs, strict=False)
+    module, prefix = compiled_inner(model)
+    if prefix:
+        tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
+    with transformable_attention(), seeded_forward(forward_seed), eager_submodules():
+        return functional_call(module, dict(tensors), args, kwargs, strict=False)
 
 
 class ReadoutFinder:

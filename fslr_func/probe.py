@@ -27,7 +27,16 @@ import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
 
-from .estimator import check_estimator, fslr_from_log, log_sq_norm, log_statistics, mean_log_stats
+from .estimator import (
+    Grouping,
+    check_estimator,
+    check_grouping,
+    fslr_from_log,
+    grouped_shape,
+    log_sq_norm,
+    log_statistics,
+    mean_log_stats,
+)
 from .functional import (
     Inputs,
     ModuleTensors,
@@ -60,7 +69,8 @@ class ProbeResult:
     """What one probe measured.
 
     Attributes:
-        log_stats: tensor name -> ``(S, D + 2)`` float64 log statistics, one row per sample.
+        log_stats: tensor name -> ``(S, D + 2)`` float64 log statistics, one row per sample,
+            ``D`` the rank of the tensor's grouped view (:func:`fslr_func.estimator.grouped_shape`).
         readout: readout tensor names -> ``"weight"`` or ``"bias"``.
         readout_module: the readout module's name, or ``None``.
         num_outputs: ``M``, the number of output elements.
@@ -108,6 +118,12 @@ def _check_options(samples: int, omega: str, chunk_size: int | None, strategy: s
         raise ValueError(f"chunk_size must be None or a positive integer, got {chunk_size!r}")
     if strategy not in STRATEGIES:
         raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
+
+
+def check_forward_seed(seed: int | None) -> None:
+    """Raise a ``TypeError`` unless ``seed`` is ``None`` or an int."""
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise TypeError(f"forward_seed must be None or an int, got {seed!r}")
 
 
 def _has_conv(model: nn.Module) -> bool:
@@ -158,6 +174,8 @@ def probe(
     readout: str | None = "auto",
     chunk_size: int | None = None,
     strategy: str = "auto",
+    grouping: Grouping = "auto",
+    forward_seed: int | None = None,
 ) -> ProbeResult:
     """Per-sample log statistics of ``Z = delta * d phi / d W`` for every tensor in ``delta``.
 
@@ -174,6 +192,12 @@ def probe(
         readout: ``"auto"`` (detect), a module name, or ``None`` (no readout variants).
         chunk_size: samples per vmap call (peak memory grows with it); ``None``: all at once.
         strategy: ``"auto"``, ``"vmap"``, ``"loop"`` or ``"autograd"``.
+        grouping: how each tensor's dims are grouped into Kronecker factors before the
+            statistics (:func:`fslr_func.estimator.grouped_shape`); readout tensors keep
+            their shape.
+        forward_seed: run the forward under its own RNG seeded with this (restoring the
+            global state after): the same seed in :func:`fslr_func.exact` gives the same
+            dropout masks. ``None``: the forward uses the global RNG.
 
     Returns:
         A :class:`ProbeResult`.
@@ -186,6 +210,8 @@ def probe(
         (torch.Size([4, 4]), {'weight': 'weight', 'bias': 'bias'})
     """
     _check_options(samples, omega, chunk_size, strategy)
+    check_grouping(grouping)
+    check_forward_seed(forward_seed)
     tensors = ModuleTensors.of(model)
     check_delta(delta, tensors)
     point = dict(tensors.trainable)
@@ -202,10 +228,12 @@ def probe(
     def flat_output(p: dict[str, Tensor]) -> Tensor:
         state = {**fixed, **tensors.constants(), **p}
         if finder is None:
-            out = as_output_tensor(model_forward(model, state, inputs, output_fn), output_fn)
+            raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
+            out = as_output_tensor(raw, output_fn)
         else:
             with finder:
-                out = as_output_tensor(model_forward(model, state, inputs, output_fn), output_fn)
+                raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
+                out = as_output_tensor(raw, output_fn)
             found.append(finder.find(out))
         out_shape.append(out.shape)
         return out.reshape(-1)
@@ -239,10 +267,14 @@ def probe(
     last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
     roles = readout_roles(model, module_name, primals, last_dim)
     scale = 1.0 / math.sqrt(num_outputs)
+    views = {
+        n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, grouping)
+        for n, d in delta.items()
+    }
 
     def sample_stats(w: Tensor) -> dict[str, Tensor]:
         (grads,) = vjp_fn(w * scale)
-        return {n: log_statistics(grads[n] * d) for n, d in delta.items()}
+        return {n: log_statistics((grads[n] * d).reshape(views[n])) for n, d in delta.items()}
 
     def draw(count: int) -> Tensor:
         return torch.stack(
@@ -288,6 +320,8 @@ def estimate(
     chunk_size: int | None = None,
     strategy: str = "auto",
     params: Mapping[str, Tensor] | None = None,
+    grouping: Grouping = "auto",
+    forward_seed: int | None = None,
 ) -> dict[str, Tensor]:
     r"""One-probe estimate of every tensor's function-space learning rate (no EMA).
 
@@ -295,7 +329,9 @@ def estimate(
     :math:`\|\Delta_W f\|_\mathrm{RMS}` is the square root of ``kron``
     (:math:`\prod_d E[q_d] / E[q_0]^{D-1}`), ``full`` (:math:`E[(\sum Z)^2]`) or ``iid``
     (:math:`E[\sum Z^2]`); the readout layer's tensors use the row-independent variants with
-    ``kron``. See :mod:`fslr_func.estimator` and :func:`probe` for the arguments.
+    ``kron``. ``grouping`` chooses the Kronecker factors of tensors of rank 3 or more (conv
+    weights): ``"auto"`` views them as ``out x rest``; ``"dims"`` is the paper's one factor
+    per dim. See :mod:`fslr_func.estimator` and :func:`probe` for the arguments.
 
     Returns:
         Tensor name -> float64 scalar FSLR, keyed like ``delta``.
@@ -324,6 +360,8 @@ def estimate(
         readout=readout,
         chunk_size=chunk_size,
         strategy=strategy,
+        grouping=grouping,
+        forward_seed=forward_seed,
     )
     out = {}
     for name, ls in result.log_stats.items():
