@@ -31,9 +31,17 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .estimator import EMA, check_estimator, fslr_from_log, log_sq_norm, mean_log_stats
+from .estimator import (
+    EMA,
+    Grouping,
+    check_estimator,
+    check_grouping,
+    fslr_from_log,
+    log_sq_norm,
+    mean_log_stats,
+)
 from .functional import Inputs, OutputFn
-from .probe import OMEGAS, STRATEGIES, probe
+from .probe import OMEGAS, STRATEGIES, ProbeResult, probe
 
 _STATE_VERSION = 1
 
@@ -92,9 +100,11 @@ class FSLRModule(nn.Module):
         chunk_size: int | None = None,
         strategy: str = "auto",
         seed: int | None = None,
+        grouping: Grouping = "auto",
     ) -> None:
         super().__init__()
         check_estimator(estimator)
+        check_grouping(grouping)
         if omega not in OMEGAS:
             raise ValueError(f"unknown omega {omega!r}; choose one of {', '.join(OMEGAS)}")
         if strategy not in STRATEGIES:
@@ -113,6 +123,7 @@ class FSLRModule(nn.Module):
         self.output_fn = output_fn
         self.chunk_size = chunk_size
         self.strategy = strategy
+        self.grouping = grouping
         self.ema = EMA(beta)
         self.readout_roles: dict[str, str] = {}
         if seed is None:
@@ -147,22 +158,29 @@ class FSLRModule(nn.Module):
         """
         batches: list[Inputs] = list(inputs) if isinstance(inputs, list) else [inputs]  # type: ignore[list-item]
         for batch in batches:
-            result = probe(
-                self.module,
-                batch,
-                delta,
-                params=params,
-                samples=self.samples,
-                omega=self.omega,
-                generator=self.generator,
-                output_fn=self.output_fn,
-                readout=self.readout,
-                chunk_size=self.chunk_size,
-                strategy=self.strategy,
-            )
+            result = self._probe(batch, delta, params)
             self.readout_roles.update(result.readout)
             self.ema.update({n: mean_log_stats(s) for n, s in result.log_stats.items()})
         return self.fslr()
+
+    def _probe(
+        self, inputs: Inputs, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
+    ) -> ProbeResult:
+        """One probe of ``delta`` on ``inputs`` (the data-parallel subclass all-reduces it)."""
+        return probe(self.module, inputs, delta, params=params, **self._probe_options())
+
+    def _probe_options(self) -> dict[str, Any]:
+        """The probe's keyword arguments, shared with the data-parallel subclass."""
+        return {
+            "samples": self.samples,
+            "omega": self.omega,
+            "generator": self.generator,
+            "output_fn": self.output_fn,
+            "readout": self.readout,
+            "chunk_size": self.chunk_size,
+            "strategy": self.strategy,
+            "grouping": self.grouping,
+        }
 
     @contextlib.contextmanager
     def measure(
@@ -235,6 +253,9 @@ def with_fslr(
     chunk_size: int | None = None,
     strategy: str = "auto",
     seed: int | None = None,
+    distributed: bool | None = None,
+    group: Any = None,
+    grouping: Grouping = "auto",
 ) -> FSLRModule:
     """Wrap ``model`` so that its optimiser steps can report function-space learning rates.
 
@@ -248,11 +269,37 @@ def with_fslr(
         output_fn: maps the model output to the tensor measured (``lambda o: o.logits``).
         chunk_size: samples per vmap call (bounds the probe's peak memory).
         strategy: ``"auto"``, ``"vmap"``, ``"loop"`` or ``"autograd"``.
-        seed: seeds the omega generator; ``None`` draws it from torch's global RNG.
+        seed: seeds the omega generator; ``None`` draws it from torch's global RNG (rank 0's
+            when distributed).
+        distributed: all-reduce the probe over the ranks of ``group`` so every rank gets the
+            estimates of the global batch (:mod:`fslr_func.distributed`); ``None``: exactly
+            when ``model`` is a ``DistributedDataParallel`` module, which is always unwrapped.
+        group: the process group of a distributed probe; ``None``: the default group.
+        grouping: Kronecker factors of tensors of rank 3 or more: ``"auto"`` (conv weights as
+            ``out x rest``), ``"dims"`` (the paper's one per dim), ``"matrix"`` or a callable
+            ``(name, shape) -> view shape`` (:func:`fslr_func.estimator.grouped_shape`).
 
     Returns:
         An :class:`FSLRModule`; ``fm(x) == model(x)``.
     """
+    from .distributed import DistributedFSLRModule, is_data_parallel
+
+    if distributed or is_data_parallel(model):
+        return DistributedFSLRModule(
+            model,
+            distributed=distributed,
+            group=group,
+            samples=samples,
+            estimator=estimator,
+            omega=omega,
+            beta=beta,
+            readout=readout,
+            output_fn=output_fn,
+            chunk_size=chunk_size,
+            strategy=strategy,
+            seed=seed,
+            grouping=grouping,
+        )
     return FSLRModule(
         model,
         samples=samples,
@@ -264,4 +311,5 @@ def with_fslr(
         chunk_size=chunk_size,
         strategy=strategy,
         seed=seed,
+        grouping=grouping,
     )
