@@ -1,0 +1,261 @@
+"""Data-parallel probes: two gloo processes on loopback against the single-process estimate.
+
+Each rank holds a shard of the probe batch (uneven: 6 and 4 rows); the estimates the ranks get
+after the all-reduce must equal, to float64 rounding, ``fslr_func.estimate`` on the
+concatenated batch with the same omega seed, and be bitwise identical across ranks.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+import fslr_func as ff
+from fslr_func import distributed as fd
+from fslr_func.estimator import log_statistics
+from fslr_func.transform import FSLRModule
+
+WORLD = 2
+SHARDS = (6, 4)  # rows of the probe batch held by rank 0 and rank 1
+RTOL = 1e-10
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 7), nn.Tanh(), nn.Linear(7, 3)
+    ).double()
+
+
+def _batches() -> tuple[Tensor, Tensor, Tensor]:
+    g = torch.Generator().manual_seed(1)
+    x_probe = torch.randn(sum(SHARDS), 5, generator=g, dtype=torch.float64)
+    x_train = torch.randn(2 * WORLD, 5, generator=g, dtype=torch.float64)
+    y_train = torch.randint(0, 3, (2 * WORLD,), generator=g)
+    return x_probe, x_train, y_train
+
+
+def _shard(x: Tensor, rank: int) -> Tensor:
+    return x.split(list(SHARDS))[rank]
+
+
+def _gathered(values: dict[str, Tensor]) -> Tensor:
+    """``(WORLD, len(values))``: every rank's values, in name order."""
+    local = torch.stack([values[n].to(torch.float64) for n in sorted(values)])
+    table = [torch.empty_like(local) for _ in range(WORLD)]
+    dist.all_gather(table, local)
+    return torch.stack(table)
+
+
+def _assert_same_on_all_ranks(values: dict[str, Tensor]) -> None:
+    table = _gathered(values)
+    assert torch.equal(table[0], table[1]), table
+
+
+def _assert_close(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
+    assert sorted(got) == sorted(want)
+    for n in want:
+        torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=0.0, msg=n)
+
+
+def _check_estimates(rank: int) -> None:
+    model = _mlp()
+    x_probe, _, _ = _batches()
+    g = torch.Generator().manual_seed(7)
+    delta = {
+        n: 1e-2 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+        for n, p in model.named_parameters()
+    }
+    cases = [
+        {"samples": 6, "chunk_size": 4},
+        {"samples": 5, "omega": "rademacher", "strategy": "loop", "estimator": "full"},
+    ]
+    for case in cases:
+        got = fd.estimate(
+            model, _shard(x_probe, rank), delta, generator=torch.Generator().manual_seed(3), **case
+        )  # type: ignore[arg-type]
+        _assert_same_on_all_ranks(got)
+        if rank == 0:
+            want = ff.estimate(
+                model, x_probe, delta, generator=torch.Generator().manual_seed(3), **case
+            )  # type: ignore[arg-type]
+            _assert_close(got, want)
+
+    # Per-rank omega draws: a different draw, but still identical estimates on every rank.
+    local = fd.estimate(
+        model,
+        _shard(x_probe, rank),
+        delta,
+        samples=4,
+        omega_draw="local",
+        generator=torch.Generator().manual_seed(3),
+    )
+    _assert_same_on_all_ranks(local)
+    assert all(bool(torch.isfinite(v)) and v > 0 for v in local.values())
+
+    # Ranks that disagree on the probe all raise (no rank is left waiting in a collective).
+    with pytest.raises(ValueError, match="ranks disagree"):
+        fd.probe(model, _shard(x_probe, rank), delta, samples=3 + rank)
+
+
+def _check_ddp_with_fslr(rank: int) -> None:
+    model = _mlp()
+    x_probe, x_train, y_train = _batches()
+    fm = ff.with_fslr(DistributedDataParallel(model), samples=6, seed=123)
+    assert isinstance(fm, fd.DistributedFSLRModule) and fm.distributed
+    keys = {f"module.{k}" for k in model.state_dict()}
+    assert fm.module is model and set(fm.state_dict()) == keys | {"_extra_state"}
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    xs, ys = x_train.chunk(WORLD)[rank], y_train.chunk(WORLD)[rank]
+    for step in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(fm(xs), ys).backward()  # DDP averages the gradients
+        with fm.measure(opt, _shard(x_probe, rank)) as m:
+            opt.step()
+        _assert_same_on_all_ranks({n: d.abs().sum() for n, d in m.delta.items()})
+        fslr = fm.fslr()
+        _assert_same_on_all_ranks(fslr)
+        if step == 0 and rank == 0:
+            # One probe: the bias-corrected EMA is the probe's estimate.
+            want = ff.estimate(
+                model,
+                x_probe,
+                m.delta,
+                samples=6,
+                params=m.before,
+                generator=torch.Generator().manual_seed(123),
+            )
+            _assert_close(fslr, want)
+    # The other order, DDP around the wrapper, works too.
+    fm2 = ff.with_fslr(_mlp(), distributed=True, samples=2)
+    assert isinstance(fm2, fd.DistributedFSLRModule) and fm2.ddp is None
+    DistributedDataParallel(fm2)
+
+
+def _probe_stream(rows: int, seed: int) -> Iterator[Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(rows, 5, generator=g, dtype=torch.float64)
+
+
+def _check_flerm(rank: int) -> None:
+    """FLeRM on a wider DDP model, each rank probing its own data: identical rates."""
+    try:
+        from fslr_func.flerm import FLeRM
+        from fslr_func.recorder import Recorder
+    except ImportError:  # pragma: no cover - FLeRM not in this tree: fm.fslr() is checked
+        return
+    _, x_train, y_train = _batches()
+    base_fm = ff.with_fslr(_mlp(), samples=4, seed=0)  # a single-process base run
+    opt = torch.optim.SGD(base_fm.parameters(), lr=0.05)
+    recorder = Recorder(base_fm, _probe_stream(8, seed=11), warmup_samples=8, every=None)
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(base_fm(x_train), y_train).backward()
+        with recorder.step(opt):
+            opt.step()
+
+    torch.manual_seed(2)
+    wide = nn.Sequential(
+        nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    ).double()
+    fm = ff.with_fslr(DistributedDataParallel(wide), samples=4, seed=5)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.05)
+    probes = _probe_stream(SHARDS[rank], seed=100 + rank)  # different data on every rank
+    flerm = FLeRM(fm, opt, recorder.record, probe_batches=probes, warmup_samples=8)
+    xs, ys = x_train.chunk(WORLD)[rank], y_train.chunk(WORLD)[rank]
+    for _ in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(fm(xs), ys).backward()
+        with flerm.step():
+            opt.step()
+    assert [p.step for p in flerm.history] == [0]
+    lrs = flerm.lrs()
+    assert len(set(lrs.values())) > 1  # per-tensor rates were set
+    _assert_same_on_all_ranks({n: torch.tensor(v) for n, v in lrs.items()})
+    _assert_same_on_all_ranks({n: p.detach().sum() for n, p in wide.named_parameters()})
+
+
+def _check_sharded_statistics(rank: int) -> None:
+    g = torch.Generator().manual_seed(5)
+    for shape, dim, split in [
+        ((5, 4, 3), 0, [3]),
+        ((5, 4, 3), 1, [1]),
+        ((5, 4, 3), -1, [2]),
+        ((6,), 0, [4]),
+        ((4, 3), 0, [4]),  # rank 1's shard is empty
+    ]:
+        z = torch.randn(shape, generator=g, dtype=torch.float64)
+        got = fd.shard_log_statistics(z.tensor_split(split, dim=dim)[rank], dim)
+        torch.testing.assert_close(got, log_statistics(z), rtol=1e-12, atol=1e-12)
+    zero = torch.zeros(3, 2, dtype=torch.float64)
+    assert bool(torch.isneginf(fd.shard_log_statistics(zero.tensor_split([1])[rank], 0)).all())
+
+
+def _worker(rank: int, port: int) -> None:
+    if sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=60),
+    )
+    try:
+        _check_estimates(rank)
+        _check_ddp_with_fslr(rank)
+        _check_flerm(rank)
+        _check_sharded_statistics(rank)
+        gc.collect()  # free the DDP reducers while the group is alive
+        dist.barrier()  # no rank tears its connections down while another still uses them
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_two_process_ddp_matches_single_process() -> None:
+    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+
+
+def test_needs_initialised_process_group() -> None:
+    model = nn.Linear(3, 2)
+    delta = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    with pytest.raises(RuntimeError, match="not initialised"):
+        fd.estimate(model, torch.randn(4, 3), delta)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        ff.with_fslr(model, distributed=True)
+
+
+def test_with_fslr_local_and_data_parallel() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    assert type(ff.with_fslr(model)) is FSLRModule
+    fm = ff.with_fslr(nn.DataParallel(model), samples=2, seed=0)  # unwrapped, not distributed
+    assert isinstance(fm, fd.DistributedFSLRModule) and not fm.distributed
+    assert fm.module is model and isinstance(fm.ddp, nn.DataParallel)
+    x = torch.randn(5, 3)
+    assert torch.equal(fm(x), model(x))
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    model(x).square().mean().backward()
+    with fm.measure(opt, x):
+        opt.step()
+    assert sorted(fm.fslr()) == sorted(n for n, _ in model.named_parameters())
+    assert not fm.eval().ddp.training  # type: ignore[union-attr]
