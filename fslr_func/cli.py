@@ -1,0 +1,382 @@
+"""The ``fslr`` console script: ``fslr demo``, ``fslr sweep`` and ``fslr plot``.
+
+- ``fslr demo``: the README's main job. ResMLP width transfer (32 to 256 units) on procedural
+  MNIST-1D, standard Adam against FLeRM, 9 learning rates an octave apart, 2 seeds
+  (:data:`fslr_func.experiments.configs.DEMO`). Writes ``summary.json``, ``transfer.png``,
+  ``fslr_time.png`` and ``flerm_lrs.png`` to ``fslr_runs/demo`` (``--out``) and prints the
+  best learning rate per width for both modes and its shift in octaves.
+- ``fslr sweep``: the same for any built-in model, axis, scales and learning rates.
+- ``fslr plot``: re-draw the figures of a sweep folder, or plot a saved FSLR record.
+
+Runs are cached in the output folder: an interrupted command resumes where it stopped when run
+again, and a finished one re-plots instantly.
+
+Example:
+    >>> main(["sweep", "--scales", "1,two"])  # doctest: +SKIP
+    usage: fslr sweep [-h] ...
+    fslr sweep: error: argument --scales: 'two' is not a number
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from .experiments.configs import AXES, DATA, DEMO, MODELS, MODES, ConfigError, SweepConfig
+
+__all__ = ["build_parser", "main", "parse_lrs"]
+
+_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
+
+
+def _number(text: str) -> float:
+    """A float, or ``2^k`` / ``2**k``."""
+    t = text.strip()
+    m = re.fullmatch(rf"2\s*(?:\^|\*\*)\s*({_NUMBER})", t)
+    try:
+        value = 2.0 ** float(m.group(1)) if m else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a number") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a finite number")
+    return value
+
+
+def parse_lrs(text: str) -> tuple[float, ...]:
+    """Learning rates from the command line: a comma list of numbers or ``2^k`` and ranges.
+
+    ``LO..HI`` is one learning rate per octave from ``LO`` up to ``HI``; ``LO..HI/N`` has ``N``
+    per octave.
+
+    Example:
+        >>> parse_lrs("1e-3, 2^-4")
+        (0.001, 0.0625)
+        >>> [f"{x:g}" for x in parse_lrs("2^-4..2^-2")]
+        ['0.0625', '0.125', '0.25']
+        >>> len(parse_lrs("2^-4..2^-2/2"))
+        5
+    """
+    out: list[float] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item:
+            raise argparse.ArgumentTypeError(f"empty item in {text!r}")
+        if ".." in item:
+            span, _, per = item.partition("/")
+            lo_text, _, hi_text = span.partition("..")
+            lo, hi = _number(lo_text), _number(hi_text)
+            try:
+                n = int(per) if per else 1
+            except ValueError:
+                raise argparse.ArgumentTypeError(
+                    f"{per!r} in {item!r} is not a whole number of learning rates per octave"
+                ) from None
+            if lo <= 0 or hi < lo or n < 1:
+                raise argparse.ArgumentTypeError(
+                    f"range {item!r} needs 0 < LO <= HI and a positive count per octave"
+                )
+            k = 0
+            while lo * 2.0 ** (k / n) <= hi * (1 + 1e-9):
+                out.append(lo * 2.0 ** (k / n))
+                k += 1
+                if k > 10_000:
+                    raise argparse.ArgumentTypeError(f"range {item!r} is too long")
+        else:
+            out.append(_number(item))
+    bad = [x for x in out if x <= 0]
+    if bad:
+        raise argparse.ArgumentTypeError(f"learning rates must be > 0, got {bad[0]:g}")
+    return tuple(out)
+
+
+def _scales(text: str) -> tuple[float, ...]:
+    values = tuple(_number(item) for item in text.split(","))
+    bad = [v for v in values if v <= 0]
+    if bad:
+        raise argparse.ArgumentTypeError(f"scales must be > 0, got {bad[0]:g}")
+    return values
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = _number(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
+    return value
+
+
+def _modes(text: str) -> tuple[str, ...]:
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    bad = [m for m in modes if m not in MODES]
+    if bad or not modes:
+        raise argparse.ArgumentTypeError(
+            f"choose from {', '.join(MODES)} (comma-separated), got {text!r}"
+        )
+    return modes
+
+
+# config field -> (flag, argparse kwargs)
+_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
+    "model": ("--model", {"choices": MODELS, "help": "model family"}),
+    "axis": ("--axis", {"choices": AXES, "help": "what to scale (the smallest scale is the base)"}),
+    "scales": (
+        "--scales",
+        {"type": _scales, "metavar": "S,S,...", "help": "scale multipliers, e.g. 1,2,4,8"},
+    ),
+    "lrs": (
+        "--lrs",
+        {
+            "type": parse_lrs,
+            "metavar": "LRS",
+            "help": "learning rates: comma list of numbers or 2^k, or LO..HI (one per octave), "
+            "LO..HI/N (N per octave), e.g. 2^-13..2^-5",
+        },
+    ),
+    "steps": ("--steps", {"type": _positive_int, "help": "optimiser steps per run"}),
+    "seeds": ("--seeds", {"type": _positive_int, "help": "seeds per run (base records averaged)"}),
+    "data": (
+        "--data",
+        {
+            "choices": sorted({d for ds in DATA.values() for d in ds}),
+            "help": "mnist1d or digits (resmlp), text (transformer)",
+        },
+    ),
+    "width": ("--width", {"type": _positive_int, "help": "base width (ResMLP units, d_model)"}),
+    "depth": ("--depth", {"type": _positive_int, "help": "base number of residual blocks"}),
+    "init_scale": (
+        "--init-scale",
+        {"type": _positive_float, "help": "base init scale of the block weights"},
+    ),
+    "batch_size": ("--batch-size", {"type": _positive_int, "help": "training batch size"}),
+    "num_samples": (
+        "--num-samples",
+        {"type": _positive_int, "help": "MNIST-1D samples generated (train + test)"},
+    ),
+    "seq_len": ("--seq-len", {"type": _positive_int, "help": "transformer context length"}),
+    "last": (
+        "--last",
+        {"type": _positive_int, "help": "a run's loss is the mean over its last LAST batches"},
+    ),
+    "samples": ("--samples", {"type": _positive_int, "help": "omega samples per FSLR probe"}),
+    "warmup_samples": (
+        "--warmup-samples",
+        {"type": _positive_int, "help": "omega samples of the EMA warm-up (paper: 40)"},
+    ),
+    "every": (
+        "--every",
+        {"type": _positive_int, "help": "base runs record FSLRs every EVERY steps"},
+    ),
+    "modes": ("--modes", {"type": _modes, "help": "standard,flerm (default: both)"}),
+}
+_FLAG = {field: flag for field, (flag, _) in _OPTIONS.items()}
+
+
+def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: str) -> None:
+    for field, (flag, kwargs) in _OPTIONS.items():
+        default = getattr(defaults, field)
+        shown = (
+            ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
+            if (isinstance(default, tuple))
+            else default
+        )
+        p.add_argument(
+            flag,
+            dest=field,
+            default=None,
+            **{**kwargs, "help": f"{kwargs['help']} (default: {shown})"},
+        )
+    p.add_argument("--out", type=Path, default=None, help=f"output folder (default: {out})")
+    p.add_argument(
+        "--jobs",
+        type=_positive_int,
+        default=None,
+        help="worker processes, one single-threaded run each (default: the CPU cores, at most 8)",
+    )
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--no-plots", action="store_true", help="write summary.json only")
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The ``fslr`` parser and its subcommand parsers (by name)."""
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="fslr",
+        description="Function-space learning rates and FLeRM learning-rate transfer: run the "
+        "demo, run a learning-rate transfer sweep, or plot results.",
+    )
+    parser.add_argument("--version", action="version", version=f"fslr_func {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,sweep,plot}")
+    sub.required = True
+    demo = sub.add_parser(
+        "demo",
+        help="ResMLP width transfer on bundled data, standard vs FLeRM (a few minutes)",
+        description="ResMLP width transfer (32 to 256 units) on procedural MNIST-1D: standard "
+        "Adam vs FLeRM over 9 learning rates. Writes summary.json and PNGs and prints the "
+        "best learning rate per width. Every option defaults to the demo's configuration.",
+    )
+    _add_sweep_options(demo, DEMO, "fslr_runs/demo")
+    sweep = sub.add_parser(
+        "sweep",
+        help="learning rates x scales x {standard, FLeRM} for a built-in model",
+        description="Learning-rate transfer sweep: every learning rate x scale x seed, with "
+        "plain Adam and with FLeRM (base = the smallest scale). Runs are cached in the output "
+        "folder; run the same command again to resume.",
+    )
+    _add_sweep_options(sweep, SweepConfig(), "fslr_runs/<model>_<axis>")
+    plot = sub.add_parser(
+        "plot",
+        help="draw the figures of a sweep folder or of a saved FSLR record",
+        description="Re-draw transfer.png, fslr_time.png and flerm_lrs.png of a sweep folder "
+        "(and print its table), or plot a record JSON (FSLR over time).",
+    )
+    plot.add_argument("path", type=Path, help="a sweep folder or an FSLRRecord JSON file")
+    plot.add_argument(
+        "--out", type=Path, default=None, help="where to write (default: beside the input)"
+    )
+    return parser, {"demo": demo, "sweep": sweep, "plot": plot}
+
+
+def _config(args: argparse.Namespace, demo: bool) -> SweepConfig:
+    given = {f: getattr(args, f) for f in _OPTIONS if getattr(args, f) is not None}
+    if demo:
+        return DEMO.replace(**given)
+    model = given.pop("model", "resmlp")
+    return SweepConfig.for_model(model, **given)
+
+
+def _note(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) -> int:
+    from .experiments.sweep import builtin_task, default_jobs, format_table, run_sweep
+
+    try:
+        config = _config(args, demo).validate()
+    except ConfigError as err:
+        parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
+    out: Path = args.out or Path("fslr_runs") / (
+        "demo" if demo else f"{config.model}_{config.axis}"
+    )
+    if out.exists() and not out.is_dir():
+        parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
+    jobs = args.jobs or default_jobs()
+    previous = out / "sweep.json"
+    start = time.perf_counter()
+    try:
+        task = builtin_task(config)
+    except ConfigError as err:
+        parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
+    if previous.exists():
+        try:
+            old = json.loads(previous.read_text())
+            if old.get("fingerprint") != config.fingerprint({"task": task.name}):
+                _note(
+                    f"note: {out} holds runs of another configuration; they are re-run "
+                    "(use another --out to keep them)"
+                )
+        except (OSError, ValueError, AttributeError):
+            pass
+    _note(
+        f"fslr {'demo' if demo else 'sweep'}: {config.model} on {config.data}, {config.axis} x "
+        f"{','.join(f'{s:g}' for s in config.scales)}, {len(config.lrs)} learning rates, "
+        f"{config.seeds} seed(s), {config.steps} steps, {jobs} job(s) -> {out}"
+    )
+    try:
+        result = run_sweep(config, out, task=task, jobs=jobs, quiet=args.quiet)
+    except KeyboardInterrupt:
+        _note(f"\ninterrupted: finished runs are cached in {out}; run the same command to resume")
+        return 130
+    summary = result.summary
+    written = [out / "summary.json"]
+    if not args.no_plots:
+        try:
+            from .plot import plot_sweep
+
+            written += plot_sweep(out)
+        except ImportError as err:
+            _note(f"note: no plots ({err})")
+    summary["wall_seconds"] = round(time.perf_counter() - start, 2)
+    _write_summary(out / "summary.json", summary)
+    print(
+        f"\nBest learning rate per {config.axis} (train loss averaged over the last "
+        f"{config.last} of {config.steps} batches, mean of {config.seeds} seed(s)):\n"
+    )
+    print(format_table(summary))
+    check = summary.get("identity_check") or {}
+    if check:
+        print(
+            f"\nidentity check (FLeRM at the base scale): rates / lr in "
+            f"[{check['lr_ratio_min']:.3f}, {check['lr_ratio_max']:.3f}]"
+        )
+    print(
+        f"\n{len(result.executed)} run(s) trained, "
+        f"{len(result.runs) - len(result.executed)} cached; {summary['wall_seconds']:.0f} s"
+    )
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _write_summary(path: Path, summary: dict[str, Any]) -> None:
+    from .experiments.sweep import write_json
+
+    write_json(path, summary)
+
+
+def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .experiments.sweep import format_table, load_runs, summarise
+    from .plot import plot_record, plot_sweep
+
+    path: Path = args.path
+    if path.is_dir():
+        if not (path / "sweep.json").exists():
+            parser.error(f"argument path: {str(path)!r} is not a sweep folder (no sweep.json)")
+        written = plot_sweep(path, args.out)
+        config, runs = load_runs(path)
+        print(format_table(summarise(config, runs)))
+    elif path.is_file():
+        try:
+            written = plot_record(path, args.out)
+        except ValueError as err:
+            parser.error(f"argument path: {err}")
+    else:
+        parser.error(f"argument path: {str(path)!r} does not exist")
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``fslr`` console script; returns the exit status.
+
+    Bad arguments exit with status 2 and a message naming the argument.
+    """
+    parser, subs = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "plot":
+            return _plot(args, subs["plot"])
+        return _run(args, subs[args.command], demo=args.command == "demo")
+    except ImportError as err:
+        print(f"fslr: error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,391 @@
+"""What a learning-rate transfer sweep runs: :class:`SweepConfig`, and the demo's defaults.
+
+A sweep trains one model family at several *scales* along one *axis* (width, depth or
+initialisation scale; the smallest scale is the base model) for every learning rate and seed,
+once with plain Adam at that learning rate (``"standard"``) and once with FLeRM driven by the
+base model's FSLRs recorded at that learning rate (``"flerm"``). A config is plain, frozen and
+JSON-able: every run of a sweep is a pure function of its config and ``(mode, scale, lr, seed)``,
+which is what makes the sweep cache (:mod:`fslr_func.experiments.sweep`) safe.
+
+:data:`DEMO` is the configuration of ``fslr demo``: change the demo here, in one place.
+
+Example:
+    >>> cfg = SweepConfig(scales=(1, 2), lrs=octaves(-8, -6), steps=20, seeds=1)
+    >>> cfg.base_scale, cfg.policy, [f"{lr:g}" for lr in cfg.lrs]
+    (1.0, 'identity', ['0.00390625', '0.0078125', '0.015625'])
+    >>> SweepConfig(axis="depth").policy
+    'share_blocks'
+    >>> SweepConfig(axis="sideways").validate()  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    fslr_func.experiments.configs.ConfigError: axis: must be one of width, depth, init_scale, ...
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = [
+    "AXES",
+    "DATA",
+    "DEMO",
+    "MODELS",
+    "MODES",
+    "ConfigError",
+    "SweepConfig",
+    "lr_key",
+    "model_defaults",
+    "octaves",
+    "scale_key",
+]
+
+#: Axes a sweep can scale; the base model is the smallest scale.
+AXES = ("width", "depth", "init_scale")
+#: Built-in model families.
+MODELS = ("resmlp", "transformer")
+#: Data sets each built-in model can train on.
+DATA: dict[str, tuple[str, ...]] = {"resmlp": ("mnist1d", "digits"), "transformer": ("text",)}
+#: Training modes compared by a sweep.
+MODES = ("standard", "flerm")
+
+#: Fields that do not change what a single run computes (so not part of its cache fingerprint).
+_NOT_RUN_FIELDS = ("scales", "lrs", "seeds", "modes")
+
+
+class ConfigError(ValueError):
+    """An invalid :class:`SweepConfig` field; ``field`` names it (the CLI maps it to a flag).
+
+    Attributes:
+        field: the offending field of :class:`SweepConfig`.
+    """
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+def octaves(lo: int, hi: int, per_octave: int = 1) -> tuple[float, ...]:
+    """Learning rates ``2**lo .. 2**hi``, ``per_octave`` of them per factor of two.
+
+    Example:
+        >>> octaves(-3, -1)
+        (0.125, 0.25, 0.5)
+        >>> [round(x, 3) for x in octaves(-1, 0, per_octave=2)]
+        [0.5, 0.707, 1.0]
+    """
+    if hi < lo or per_octave < 1:
+        raise ValueError(f"need lo <= hi and per_octave >= 1, got {lo}, {hi}, {per_octave}")
+    n = (hi - lo) * per_octave
+    return tuple(2.0 ** (lo + i / per_octave) for i in range(n + 1))
+
+
+def model_defaults(model: str) -> dict[str, Any]:
+    """Config fields whose sensible default depends on the model family.
+
+    Example:
+        >>> model_defaults("transformer")["data"]
+        'text'
+    """
+    if model == "transformer":
+        return {
+            "data": "text",
+            "width": 32,
+            "depth": 2,
+            "batch_size": 16,
+            "seq_len": 64,
+            "lrs": octaves(-12, -4),
+        }
+    return {"data": "mnist1d", "width": 32, "depth": 4, "batch_size": 64, "lrs": octaves(-13, -5)}
+
+
+@dataclass(frozen=True)
+class SweepConfig:
+    """A learning-rate transfer sweep: models, data, budget, grid and FSLR settings.
+
+    Attributes:
+        model: ``"resmlp"`` (paper Appendix A.1) or ``"transformer"`` (A.2, PreNorm).
+        axis: ``"width"``, ``"depth"`` or ``"init_scale"``.
+        scales: multipliers of the base model along ``axis``; the smallest is the base.
+            Width and depth multipliers must give whole numbers of units and blocks.
+        lrs: Adam learning rates (the base model's ``lr_0`` in FLeRM mode).
+        steps: optimiser steps per run.
+        seeds: seeds per (mode, scale, lr); base records are averaged over them (paper: 8).
+        data: ``"mnist1d"`` or ``"digits"`` (ResMLP), ``"text"`` (transformer: Python's own
+            documentation, bytes).
+        batch_size: training (and probe) batch size.
+        width: base width: the ResMLP hidden dimension, the transformer's ``d_model``
+            (``d_ff = 4 * width``, 16-dimensional heads).
+        depth: base number of residual blocks.
+        init_scale: base initialisation scale of the block weights.
+        num_samples: size of the generated MNIST-1D data set (train + test).
+        seq_len: context length of the transformer.
+        last: the loss of a run is its training loss averaged over its last ``last`` batches
+            (the paper: 200); a diverged run scores infinity.
+        samples: omega samples per FSLR probe.
+        warmup_samples: omega samples of the EMA warm-up (paper: 40).
+        every: the base runs record an FSLR probe every ``every`` steps (the FSLR-vs-time
+            plot); periodic FLeRM resets the rates every ``every`` steps.
+        flerm_mode: ``"static"`` (the paper's main results: rates set once, at step 0, after
+            the EMA warm-up) or ``"periodic"`` (and again every ``every`` steps, matching the
+            base record over time).
+        modes: which of ``"standard"`` and ``"flerm"`` to run.
+    """
+
+    model: str = "resmlp"
+    axis: str = "width"
+    scales: tuple[float, ...] = (1, 2, 4, 8)
+    lrs: tuple[float, ...] = field(default_factory=lambda: model_defaults("resmlp")["lrs"])
+    steps: int = 300
+    seeds: int = 2
+    data: str = "mnist1d"
+    batch_size: int = 64
+    width: int = 32
+    depth: int = 4
+    init_scale: float = 1.0
+    num_samples: int = 5000
+    seq_len: int = 64
+    last: int = 60
+    samples: int = 8
+    warmup_samples: int = 40
+    every: int = 25
+    flerm_mode: str = "static"
+    modes: tuple[str, ...] = MODES
+
+    def __post_init__(self) -> None:
+        # normalise sequences to sorted/ordered tuples of floats, so equal configs compare equal
+        object.__setattr__(self, "scales", tuple(sorted(float(s) for s in self.scales)))
+        object.__setattr__(self, "lrs", tuple(sorted(float(lr) for lr in self.lrs)))
+        object.__setattr__(self, "modes", tuple(m for m in MODES if m in self.modes))
+
+    @classmethod
+    def for_model(cls, model: str = "resmlp", **overrides: Any) -> SweepConfig:
+        """A config with the model family's defaults (:func:`model_defaults`), then overrides.
+
+        Example:
+            >>> SweepConfig.for_model("transformer", steps=10).depth
+            2
+        """
+        return cls(**{"model": model, **model_defaults(model), **overrides})
+
+    # ------------------------------------------------------------------ derived
+
+    @property
+    def base_scale(self) -> float:
+        """The smallest scale: the base model."""
+        return self.scales[0]
+
+    @property
+    def policy(self) -> str:
+        """FLeRM policy of the axis: ``share_blocks`` for depth, else ``identity``."""
+        return "share_blocks" if self.axis == "depth" else "identity"
+
+    def model_kwargs(self, scale: float) -> dict[str, Any]:
+        """Width, depth and init scale of the model at ``scale`` along :attr:`axis`.
+
+        Example:
+            >>> SweepConfig(width=32, depth=4).model_kwargs(4)
+            {'width': 128, 'depth': 4, 'init_scale': 1.0}
+            >>> SweepConfig(axis="depth", depth=4).model_kwargs(2)
+            {'width': 32, 'depth': 8, 'init_scale': 1.0}
+        """
+        width, depth, init_scale = self.width, self.depth, self.init_scale
+        if self.axis == "width":
+            width = round(width * scale)
+        elif self.axis == "depth":
+            depth = round(depth * scale)
+        else:
+            init_scale = init_scale * scale
+        return {"width": width, "depth": depth, "init_scale": init_scale}
+
+    # ------------------------------------------------------------------ validation
+
+    def validate(self) -> SweepConfig:
+        """Check every field; returns ``self``.
+
+        Raises:
+            ConfigError: naming the first invalid field.
+        """
+
+        def need(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(name, message)
+
+        need(
+            self.model in MODELS,
+            "model",
+            f"must be one of {', '.join(MODELS)}, got {self.model!r}",
+        )
+        need(self.axis in AXES, "axis", f"must be one of {', '.join(AXES)}, got {self.axis!r}")
+        allowed = DATA[self.model]
+        need(
+            self.data in allowed,
+            "data",
+            f"model {self.model!r} trains on {' or '.join(allowed)}, got {self.data!r}",
+        )
+        for name in ("steps", "seeds", "batch_size", "width", "depth", "samples", "every"):
+            value = getattr(self, name)
+            need(
+                isinstance(value, int) and not isinstance(value, bool) and value >= 1,
+                name,
+                f"must be a positive integer, got {value!r}",
+            )
+        need(
+            isinstance(self.last, int) and 1 <= self.last <= self.steps,
+            "last",
+            f"must be an integer in [1, steps={self.steps}], got {self.last!r}",
+        )
+        need(
+            isinstance(self.warmup_samples, int) and self.warmup_samples >= 1,
+            "warmup_samples",
+            f"must be a positive integer, got {self.warmup_samples!r}",
+        )
+        need(
+            isinstance(self.num_samples, int) and self.num_samples >= 100,
+            "num_samples",
+            f"must be an integer >= 100, got {self.num_samples!r}",
+        )
+        need(
+            isinstance(self.seq_len, int) and self.seq_len >= 2,
+            "seq_len",
+            f"must be an integer >= 2, got {self.seq_len!r}",
+        )
+        need(
+            math.isfinite(self.init_scale) and self.init_scale > 0,
+            "init_scale",
+            f"must be a finite number > 0, got {self.init_scale!r}",
+        )
+        need(len(self.scales) >= 1, "scales", "give at least one scale")
+        need(
+            all(math.isfinite(s) and s > 0 for s in self.scales),
+            "scales",
+            f"must be finite numbers > 0, got {list(self.scales)}",
+        )
+        need(
+            len(set(self.scales)) == len(self.scales),
+            "scales",
+            f"must be distinct, got {list(self.scales)}",
+        )
+        if self.axis in ("width", "depth"):
+            unit = self.width if self.axis == "width" else self.depth
+            bad = [s for s in self.scales if abs(unit * s - round(unit * s)) > 1e-9]
+            need(
+                not bad,
+                "scales",
+                f"{self.axis} {unit} times {bad} is not a whole number of "
+                f"{'units' if self.axis == 'width' else 'blocks'}",
+            )
+        if self.model == "transformer" and self.axis == "width":
+            bad = [s for s in self.scales if round(self.width * s) % 16]
+            need(
+                not bad and self.width % 16 == 0,
+                "scales",
+                f"transformer widths must be multiples of the head size 16; width {self.width} "
+                f"times {bad or list(self.scales)} is not",
+            )
+        need(len(self.lrs) >= 1, "lrs", "give at least one learning rate")
+        need(
+            all(math.isfinite(lr) and lr > 0 for lr in self.lrs),
+            "lrs",
+            f"must be finite numbers > 0, got {list(self.lrs)}",
+        )
+        keys = [lr_key(lr) for lr in self.lrs]
+        need(
+            len(set(keys)) == len(keys),
+            "lrs",
+            f"must be distinct (to 8 significant digits), got {list(self.lrs)}",
+        )
+        need(
+            self.flerm_mode in ("static", "periodic"),
+            "flerm_mode",
+            f"must be 'static' or 'periodic', got {self.flerm_mode!r}",
+        )
+        need(bool(self.modes), "modes", f"must include one of {', '.join(MODES)}")
+        return self
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-able dict of every field (tuples as lists)."""
+        return {
+            k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(self).items()
+        }
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> SweepConfig:
+        """Inverse of :meth:`to_dict`; unknown keys are ignored (newer files).
+
+        Example:
+            >>> cfg = SweepConfig(steps=7)
+            >>> SweepConfig.from_dict(cfg.to_dict()) == cfg
+            True
+        """
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs: dict[str, Any] = {
+            k: tuple(v) if isinstance(v, list) else v for k, v in data.items() if k in names
+        }
+        return cls(**kwargs)
+
+    def fingerprint(self, extra: Mapping[str, Any] | None = None) -> str:
+        """Hash of the fields that change what one run computes (not the grid: scales, lrs,
+        seeds, modes), plus ``extra``; cached runs with another fingerprint are re-run.
+
+        Example:
+            >>> a, b = SweepConfig(lrs=(0.1,)), SweepConfig(lrs=(0.1, 0.2), seeds=5)
+            >>> c = SweepConfig(lrs=(0.1,), steps=9)
+            >>> a.fingerprint() == b.fingerprint(), a.fingerprint() == c.fingerprint()
+            (True, False)
+        """
+        d = {k: v for k, v in self.to_dict().items() if k not in _NOT_RUN_FIELDS}
+        if extra:
+            d["extra"] = dict(extra)
+        text = json.dumps(d, sort_keys=True, default=repr)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def replace(self, **changes: Any) -> SweepConfig:
+        """A copy with some fields changed."""
+        return dataclasses.replace(self, **changes)
+
+
+def lr_key(lr: float) -> str:
+    """The learning rate as it appears in file names and JSON keys (8 significant digits).
+
+    Example:
+        >>> lr_key(2.0**-10), lr_key(0.001)
+        ('0.0009765625', '0.001')
+    """
+    return f"{lr:.8g}"
+
+
+def scale_key(scale: float) -> str:
+    """The scale as it appears in file names and JSON keys.
+
+    Example:
+        >>> scale_key(8.0), scale_key(0.5)
+        ('8', '0.5')
+    """
+    return f"{scale:g}"
+
+
+#: The ``fslr demo`` configuration: ResMLP width transfer (32 -> 256 units, 4 blocks) on
+#: procedural MNIST-1D, 9 learning rates an octave apart, 2 seeds. See ``docs/demo.md`` for why.
+DEMO = SweepConfig(
+    model="resmlp",
+    axis="width",
+    scales=(1, 2, 4, 8),
+    lrs=octaves(-13, -5),
+    steps=300,
+    seeds=2,
+    data="mnist1d",
+    batch_size=64,
+    width=32,
+    depth=4,
+    num_samples=5000,
+    last=60,
+)

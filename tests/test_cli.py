@@ -1,0 +1,131 @@
+"""The ``fslr`` console script: smoke runs of demo/sweep/plot, --help, argument errors."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fslr_func.cli import main, parse_lrs
+
+PNGS = ("transfer.png", "fslr_time.png", "flerm_lrs.png")
+# a tiny configuration of the demo: digits (instant to load), widths 8 and 16, 2 lrs, 8 steps
+TINY = [
+    "--data", "digits", "--width", "8", "--depth", "2", "--scales", "1,2", "--lrs", "2^-7,2^-5",
+    "--steps", "8", "--last", "4", "--seeds", "1", "--batch-size", "32", "--samples", "4",
+    "--warmup-samples", "8", "--every", "4", "--jobs", "1", "--quiet",
+]  # fmt: skip
+
+
+def test_demo_smoke_writes_files_and_summary(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), *TINY]) == 0
+    printed = capsys.readouterr().out
+    assert "standard best lr" in printed and "flerm best lr" in printed and "shift" in printed
+    for name in PNGS:
+        png = out / name
+        assert png.stat().st_size > 1000, name
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["axis"] == "width" and summary["scales"] == [1.0, 2.0]
+    assert summary["lrs"] == [2.0**-7, 2.0**-5]
+    assert summary["config"]["data"] == "digits" and summary["wall_seconds"] > 0
+    for mode in ("standard", "flerm"):
+        m = summary["modes"][mode]
+        assert set(m["best_lr"]) == set(m["best_loss"]) == {"1", "2"}
+        assert all(lr in summary["lrs"] for lr in m["best_lr"].values())
+        assert all(isinstance(v, float) for v in m["best_loss"].values())
+        assert isinstance(m["shift_octaves"], float)
+    assert summary["identity_check"]["lr_ratio_min"] == 1.0
+    # a finished sweep re-plots from its cache without training
+    assert main(["demo", "--out", str(out), *TINY]) == 0
+    assert "0 run(s) trained, 8 cached" in capsys.readouterr().out
+
+
+def test_sweep_depth_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "depth"
+    args = ["sweep", "--axis", "depth", "--out", str(out), *TINY, "--no-plots"]
+    assert main(args) == 0
+    assert not (out / "transfer.png").exists()
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["axis"] == "depth" and summary["config"]["depth"] == 2
+    capsys.readouterr()
+    figs = tmp_path / "figs"
+    assert main(["plot", str(out), "--out", str(figs)]) == 0
+    assert "shift" in capsys.readouterr().out
+    assert all((figs / name).stat().st_size > 1000 for name in PNGS)
+    record = next((out / "records").glob("lr=*_seed=0.json"))
+    assert main(["plot", str(record), "--out", str(figs)]) == 0
+    assert (figs / f"{record.stem}.png").stat().st_size > 1000
+
+
+@pytest.mark.parametrize(
+    ("args", "named"),
+    [
+        (["sweep", "--scales", "1,x"], "argument --scales"),
+        (["sweep", "--scales", "1,-2"], "argument --scales"),
+        (["sweep", "--scales", "1,1.5", "--width", "5"], "argument --scales"),
+        (["sweep", "--lrs", "0.1,-1"], "argument --lrs"),
+        (["sweep", "--lrs", "2^-3..2^-5"], "argument --lrs"),
+        (["sweep", "--steps", "0"], "argument --steps"),
+        (["sweep", "--steps", "ten"], "argument --steps"),
+        (["sweep", "--seeds", "-1"], "argument --seeds"),
+        (["sweep", "--axis", "sideways"], "argument --axis"),
+        (["sweep", "--model", "cnn"], "argument --model"),
+        (["sweep", "--data", "text"], "argument --data"),
+        (["sweep", "--model", "transformer", "--data", "digits"], "argument --data"),
+        (["sweep", "--steps", "10", "--last", "20"], "argument --last"),
+        (["sweep", "--modes", "fast"], "argument --modes"),
+        (["sweep", "--data", "digits", "--batch-size", "5000"], "argument --batch-size"),
+        (["demo", "--jobs", "0"], "argument --jobs"),
+        (["plot", "/nonexistent/folder"], "argument path"),
+    ],
+)
+def test_bad_arguments_exit_2_naming_the_argument(
+    args: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*args, "--out", str(tmp_path / "x")] if args[0] != "plot" else args)
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"fslr {args[0]}: error: {named}" in err, err
+    assert not (tmp_path / "x").exists()
+
+
+def test_out_must_be_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(SystemExit):
+        main(["sweep", "--out", str(tmp_path / "file"), *TINY])
+    assert "argument --out" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plot", str(tmp_path)])
+    assert "argument path: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [[], ["demo"], ["sweep"], ["plot"]])
+def test_help_everywhere(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main([*command, "--help"])
+    assert info.value.code == 0
+    assert "usage: fslr" in capsys.readouterr().out
+
+
+def test_console_script_reports_bad_argument() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "fslr_func.cli", "sweep", "--scales", "one"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "fslr sweep: error: argument --scales: 'one' is not a number" in proc.stderr
+
+
+def test_parse_lrs() -> None:
+    assert parse_lrs("2^-2, 0.5,1e-1") == (0.25, 0.5, 0.1)
+    assert parse_lrs("2**-3..2**-1") == (0.125, 0.25, 0.5)
+    assert len(parse_lrs("2^-4..2^-2/4")) == 9

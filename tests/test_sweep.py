@@ -1,0 +1,318 @@
+"""The learning-rate transfer sweep: caching, resume, identity check, summary, configs."""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+from fslr_func.experiments.configs import DEMO, ConfigError, SweepConfig, octaves
+from fslr_func.experiments.sweep import (
+    RunSpec,
+    Task,
+    builtin_task,
+    grid,
+    load_runs,
+    mean_record,
+    run_sweep,
+    summarise,
+)
+from fslr_func.record import FSLRRecord
+
+# ---------------------------------------------------------------------------------- tiny task
+
+_X = torch.randn(192, 5, generator=torch.Generator().manual_seed(0))
+_Y = (_X[:, 0] > 0).long() + (_X[:, 1] > 0).long()
+
+
+class _Net(nn.Module):
+    """Input -> `depth` residual blocks -> readout: names match the depth policy."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        self.input = nn.Linear(5, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.readout = nn.Linear(width, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.input(x)
+        for block in self.blocks:
+            h = h + torch.relu(block(h))
+        return self.readout(h)
+
+
+def _build(axis: str, scale: float, seed: int) -> nn.Module:
+    return _Net(round(8 * scale), 1) if axis == "width" else _Net(8, round(2 * scale))
+
+
+def _batches(seed: int, probe: bool = False) -> Any:
+    g = torch.Generator().manual_seed(seed + (1000 if probe else 0))
+    while True:
+        idx = torch.randint(0, len(_Y), (32,), generator=g)
+        yield _X[idx] if probe else (_X[idx], _Y[idx])
+
+
+def tiny_task(axis: str = "width") -> Task:
+    return Task(
+        name=f"tiny-{axis}",
+        build=functools.partial(_build, axis),
+        train_batches=_batches,
+        probe_batches=functools.partial(_batches, probe=True),
+    )
+
+
+def tiny_config(**kw: Any) -> SweepConfig:
+    base: dict[str, Any] = {
+        "scales": (1, 2),
+        "lrs": (0.01, 0.04),
+        "steps": 6,
+        "seeds": 2,
+        "last": 3,
+        "samples": 4,
+        "warmup_samples": 8,
+        "every": 3,
+    }
+    return SweepConfig(**{**base, **kw})
+
+
+def _sweep(cfg: SweepConfig, out: Path, **kw: Any) -> Any:
+    return run_sweep(cfg, out, task=kw.pop("task", tiny_task(cfg.axis)), quiet=True, **kw)
+
+
+# ---------------------------------------------------------------------------------- caching
+
+
+def test_layout_and_summary_fields(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    result = _sweep(cfg, tmp_path)
+    assert len(result.executed) == len(grid(cfg)) == 16
+    assert len(list((tmp_path / "runs").glob("*.json"))) == 16
+    for lr in ("0.01", "0.04"):
+        for seed in (0, 1):
+            rec = FSLRRecord.load(tmp_path / "records" / f"lr={lr}_seed={seed}.json")
+            assert rec.steps == [0, 3] and rec.meta["base_lr"] == float(lr)
+        assert (tmp_path / "records" / f"lr={lr}_mean.json").exists()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["axis"] == "width" and summary["scales"] == [1.0, 2.0]
+    for mode in ("standard", "flerm"):
+        m = summary["modes"][mode]
+        assert set(m["best_lr"]) == {"1", "2"} and set(m["best_loss"]) == {"1", "2"}
+        assert all(v in (0.01, 0.04) for v in m["best_lr"].values())
+        assert m["shift_octaves"] == math.log2(m["best_lr"]["2"] / m["best_lr"]["1"])
+    assert summary["config"]["steps"] == 6 and summary["wall_seconds"] >= 0
+    # no leftover temporary files from the atomic writes
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_interrupted_sweep_resumes_only_missing_runs(tmp_path: Path) -> None:
+    cfg = tiny_config()
+    done: list[str] = []
+
+    def interrupt_after_five(result: dict[str, Any]) -> None:
+        done.append(result["key"])
+        if len(done) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        _sweep(cfg, tmp_path, on_run=interrupt_after_five)
+    assert len(list((tmp_path / "runs").glob("*.json"))) == 5
+    resumed = _sweep(cfg, tmp_path)
+    assert sorted(resumed.executed) == sorted({s.key for s in grid(cfg)} - set(done))
+    again = _sweep(cfg, tmp_path)
+    assert again.executed == [] and again.summary["modes"] == resumed.summary["modes"]
+
+
+def test_deleted_run_and_grown_grid_rerun_only_what_is_missing(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1)
+    _sweep(cfg, tmp_path)
+    key = RunSpec("standard", 2.0, 0.04, 0).key
+    (tmp_path / "runs" / f"{key}.json").unlink()
+    assert _sweep(cfg, tmp_path).executed == [key]
+    # a new learning rate: its standard runs (base one records) and FLeRM runs only
+    more = cfg.replace(lrs=(0.01, 0.04, 0.02))
+    assert sorted(_sweep(more, tmp_path).executed) == sorted(
+        RunSpec(m, s, 0.02, 0).key for m in ("standard", "flerm") for s in (1.0, 2.0)
+    )
+    # a deleted base record is re-recorded; FLeRM runs of that lr stay valid (same seeds)
+    (tmp_path / "records" / "lr=0.01_seed=0.json").unlink()
+    assert _sweep(more, tmp_path).executed == [RunSpec("standard", 1.0, 0.01, 0).key]
+
+
+def test_other_config_or_more_seeds_reruns(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, scales=(1,), lrs=(0.01,))
+    _sweep(cfg, tmp_path)
+    assert len(_sweep(cfg.replace(steps=7), tmp_path).executed) == 2  # fingerprint changed
+    # seed 1 is new; FLeRM seed 0 re-runs because its base record is now a 2-seed mean
+    executed = _sweep(cfg.replace(steps=7, seeds=2), tmp_path).executed
+    assert sorted(executed) == sorted(
+        [RunSpec("standard", 1.0, 0.01, 1).key]
+        + [RunSpec("flerm", 1.0, 0.01, s).key for s in (0, 1)]
+    )
+
+
+def test_damaged_cache_file_is_rerun(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, scales=(1,), lrs=(0.01,), modes=("standard",))
+    _sweep(cfg, tmp_path)
+    key = RunSpec("standard", 1.0, 0.01, 0).key
+    (tmp_path / "runs" / f"{key}.json").write_text('{"format": "fslr_func.sweep.run", "ver')
+    assert _sweep(cfg, tmp_path).executed == [key]
+
+
+# ---------------------------------------------------------------------------------- FLeRM
+
+
+def test_flerm_at_base_scale_reproduces_standard(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1)
+    result = _sweep(cfg, tmp_path)
+    check = result.summary["identity_check"]
+    assert check == {"lr_ratio_min": 1.0, "lr_ratio_max": 1.0, "max_abs_loss_diff": 0.0}
+    for lr in cfg.lrs:
+        std = result.runs[RunSpec("standard", 1.0, lr, 0).key]
+        fl = result.runs[RunSpec("flerm", 1.0, lr, 0).key]
+        assert std["losses"] == fl["losses"]
+        wide = result.runs[RunSpec("flerm", 2.0, lr, 0).key]
+        assert set(wide["flerm"]["lrs"]) == {n for n, _ in _Net(16, 1).named_parameters()}
+        assert wide["flerm"]["lrs"] != dict.fromkeys(wide["flerm"]["lrs"], lr)
+
+
+def test_depth_sweep_uses_share_blocks(tmp_path: Path) -> None:
+    cfg = tiny_config(axis="depth", seeds=1, lrs=(0.02,))
+    result = _sweep(cfg, tmp_path)
+    run = result.runs[RunSpec("flerm", 2.0, 0.02, 0).key]
+    targets = run["flerm"]["targets"]
+    base = FSLRRecord.load(tmp_path / "records" / "lr=0.02_mean.json").at(0)
+    # 2 base blocks -> 4 blocks: each base block's FSLR is shared by two scaled blocks
+    assert targets["blocks.0.weight"] == pytest.approx(base["blocks.0.weight"] / 2)
+    assert targets["blocks.3.weight"] == pytest.approx(base["blocks.1.weight"] / 2)
+    assert targets["readout.weight"] == pytest.approx(base["readout.weight"])
+
+
+def test_diverged_runs_score_infinity(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, lrs=(0.01, 1e30), steps=20, last=5)
+    result = _sweep(cfg, tmp_path)
+    for mode in ("standard", "flerm"):
+        m = result.summary["modes"][mode]
+        assert m["loss"]["2"][1] is None and m["best_lr"]["2"] == 0.01
+    run = result.runs[RunSpec("standard", 2.0, 1e30, 0).key]
+    assert run["loss"] is None and len(run["losses"]) < 20 and run["losses"][-1] is None
+    json.dumps(result.summary, allow_nan=False)  # strict JSON throughout
+
+
+@pytest.mark.slow
+def test_parallel_jobs_match_in_process(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, lrs=(0.02,))
+    inline = _sweep(cfg, tmp_path / "a")
+    parallel = _sweep(cfg, tmp_path / "b", jobs=2)
+    assert sorted(parallel.executed) == sorted(inline.executed)
+    for key, run in inline.runs.items():
+        assert parallel.runs[key]["losses"] == pytest.approx(run["losses"], rel=1e-5)
+
+
+# ---------------------------------------------------------------------------------- summary
+
+
+def _fake(mode: str, scale: float, lr: float, seed: int, loss: float | None) -> dict[str, Any]:
+    return {"key": RunSpec(mode, scale, lr, seed).key, "loss": loss, "test_loss": None}
+
+
+def test_summarise_best_lr_shift_and_seed_mean() -> None:
+    cfg = SweepConfig(scales=(1, 8), lrs=octaves(-4, -1), seeds=2)
+    # standard: optimum at 2^-2 for 1x and 2^-4 for 8x; FLeRM: 2^-2 for both
+    curve: dict[tuple[str, float], list[float | None]] = {
+        ("standard", 1.0): [3.0, 2.0, 1.0, 2.5],
+        ("standard", 8.0): [0.5, 0.8, 1.5, None],
+        ("flerm", 1.0): [3.0, 2.0, 1.0, 2.5],
+        ("flerm", 8.0): [2.0, 1.0, 0.4, 0.9],
+    }
+    runs = {}
+    for (mode, scale), losses in curve.items():
+        for lr, loss in zip(cfg.lrs, losses, strict=True):
+            for seed in (0, 1):
+                value = None if loss is None else loss + (0.1 if seed else -0.1)
+                r = _fake(mode, scale, lr, seed, value)
+                runs[r["key"]] = r
+    s = summarise(cfg, runs)
+    assert s["modes"]["standard"]["best_lr"] == {"1": 0.25, "8": 0.0625}
+    assert s["modes"]["standard"]["shift_octaves"] == -2.0
+    assert s["modes"]["standard"]["best_loss"]["8"] == pytest.approx(0.5)
+    assert s["modes"]["standard"]["loss"]["8"][3] is None
+    assert s["modes"]["flerm"]["shift_octaves"] == 0.0
+    assert s["modes"]["flerm"]["best_loss"] == {"1": pytest.approx(1.0), "8": pytest.approx(0.4)}
+    # a missing seed makes the cell unusable, not better
+    del runs[RunSpec("flerm", 8.0, 0.25, 1).key]
+    assert summarise(cfg, runs)["modes"]["flerm"]["best_lr"]["8"] == 0.5
+
+
+def test_load_runs_ignores_other_fingerprints(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, scales=(1,), lrs=(0.01,), modes=("standard",))
+    _sweep(cfg, tmp_path)
+    config, runs = load_runs(tmp_path)
+    assert config == cfg and list(runs) == [RunSpec("standard", 1.0, 0.01, 0).key]
+    meta = json.loads((tmp_path / "sweep.json").read_text())
+    meta["fingerprint"] = "something-else"
+    (tmp_path / "sweep.json").write_text(json.dumps(meta))
+    assert load_runs(tmp_path)[1] == {}
+    with pytest.raises(FileNotFoundError, match="not a sweep folder"):
+        load_runs(tmp_path / "runs")
+
+
+def test_mean_record_uses_common_steps() -> None:
+    a = FSLRRecord(steps=[0, 3, 6], fslr={"w": [1.0, 2.0, 3.0]}, meta={"seed": 0})
+    b = FSLRRecord(steps=[0, 3], fslr={"w": [3.0, 4.0]}, meta={"seed": 1})
+    empty = FSLRRecord(meta={"seed": 2})
+    m = mean_record([a, b, empty])
+    assert m is not None and m.steps == [0, 3] and m.fslr == {"w": [2.0, 3.0]}
+    assert mean_record([empty]) is None
+
+
+# ---------------------------------------------------------------------------------- configs
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"axis": "sideways"}, "axis"),
+        ({"model": "cnn"}, "model"),
+        ({"data": "text"}, "data"),
+        ({"steps": 0}, "steps"),
+        ({"seeds": 0}, "seeds"),
+        ({"last": 500}, "last"),
+        ({"scales": (1, 1.5), "width": 5}, "scales"),
+        ({"scales": (1, 1)}, "scales"),
+        ({"scales": (0, 1)}, "scales"),
+        ({"lrs": (0.1, -0.1)}, "lrs"),
+        ({"lrs": ()}, "lrs"),
+        ({"modes": ()}, "modes"),
+        ({"flerm_mode": "sometimes"}, "flerm_mode"),
+        ({"model": "transformer", "data": "text", "width": 24}, "scales"),
+    ],
+)
+def test_config_errors_name_the_field(change: dict[str, Any], field: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        SweepConfig(**change).validate()
+    assert info.value.field == field
+
+
+def test_config_round_trip_and_demo_is_valid() -> None:
+    assert SweepConfig.from_dict(json.loads(json.dumps(DEMO.to_dict()))) == DEMO.validate()
+    assert DEMO.scales[0] == 1 and DEMO.axis == "width" and DEMO.model == "resmlp"
+    assert SweepConfig(scales=(8, 2, 4)).scales == (2.0, 4.0, 8.0)
+
+
+def test_builtin_tasks_build_every_axis() -> None:
+    task = builtin_task(SweepConfig(data="digits", width=8, depth=2, axis="depth"))
+    assert len(task.build(4, 0).blocks) == 8  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="batch_size"):
+        builtin_task(SweepConfig(data="digits", batch_size=100_000))
+    lm = builtin_task(
+        SweepConfig.for_model("transformer", width=16, scales=(1, 2), seq_len=8, batch_size=2)
+    )
+    model = lm.build(2.0, 0)
+    x, y = next(iter(lm.train_batches(0)))
+    assert model(x).shape == (*y.shape, 256) and model.d_model == 32
