@@ -266,41 +266,34 @@ def _note(text: str) -> None:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) -> int:
-    from .experiments.sweep import builtin_task, default_jobs, format_table, run_sweep
+    from .experiments.sweep import default_jobs, format_table, run_sweep
 
     try:
         config = _config(args, demo).validate()
     except ConfigError as err:
         parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
-    out: Path = args.out or Path("fslr_runs") / (
-        "demo" if demo else f"{config.model}_{config.axis}"
-    )
+    name = "demo" if demo else f"{config.model}_{config.axis}"
+    out: Path = args.out or Path("fslr_runs") / name
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
     jobs = args.jobs or default_jobs()
-    previous = out / "sweep.json"
     start = time.perf_counter()
     try:
-        task = builtin_task(config)
-    except ConfigError as err:
-        parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
-    if previous.exists():
-        try:
-            old = json.loads(previous.read_text())
-            if old.get("fingerprint") != config.fingerprint({"task": task.name}):
-                _note(
-                    f"note: {out} holds runs of another configuration; they are re-run "
-                    "(use another --out to keep them)"
-                )
-        except (OSError, ValueError, AttributeError):
-            pass
+        old = json.loads((out / "sweep.json").read_text())
+        if old.get("fingerprint") != config.fingerprint({"task": config.task_name}):
+            _note(
+                f"note: {out} holds runs of another configuration; they are re-run "
+                "(use another --out to keep them)"
+            )
+    except (OSError, ValueError, AttributeError):
+        pass
     _note(
         f"fslr {'demo' if demo else 'sweep'}: {config.model} on {config.data}, {config.axis} x "
         f"{','.join(f'{s:g}' for s in config.scales)}, {len(config.lrs)} learning rates, "
         f"{config.seeds} seed(s), {config.steps} steps, {jobs} job(s) -> {out}"
     )
     try:
-        result = run_sweep(config, out, task=task, jobs=jobs, quiet=args.quiet)
+        result = run_sweep(config, out, jobs=jobs, quiet=args.quiet)
     except KeyboardInterrupt:
         _note(f"\ninterrupted: finished runs are cached in {out}; run the same command to resume")
         return 130

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from fslr_func.cli import main, parse_lrs
+from fslr_func.experiments import sweep
 
 PNGS = ("transfer.png", "fslr_time.png", "flerm_lrs.png")
 # a tiny configuration of the demo: digits (instant to load), widths 8 and 16, 2 lrs, 8 steps
@@ -20,8 +21,12 @@ TINY = [
 ]  # fmt: skip
 
 
+def _no_data(config: object) -> None:
+    raise AssertionError("the data were loaded although every run is cached")
+
+
 def test_demo_smoke_writes_files_and_summary(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), *TINY]) == 0
@@ -41,7 +46,8 @@ def test_demo_smoke_writes_files_and_summary(
         assert all(isinstance(v, float) for v in m["best_loss"].values())
         assert isinstance(m["shift_octaves"], float)
     assert summary["identity_check"]["lr_ratio_min"] == 1.0
-    # a finished sweep re-plots from its cache without training
+    # a finished sweep re-plots from its cache, without training or even loading the data
+    monkeypatch.setattr(sweep, "builtin_task", _no_data)
     assert main(["demo", "--out", str(out), *TINY]) == 0
     assert "0 run(s) trained, 8 cached" in capsys.readouterr().out
 

@@ -309,7 +309,7 @@ def test_builtin_tasks_build_every_axis() -> None:
     task = builtin_task(SweepConfig(data="digits", width=8, depth=2, axis="depth"))
     assert len(task.build(4, 0).blocks) == 8  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="batch_size"):
-        builtin_task(SweepConfig(data="digits", batch_size=100_000))
+        builtin_task(SweepConfig(data="digits", batch_size=1439))
     lm = builtin_task(
         SweepConfig.for_model("transformer", width=16, scales=(1, 2), seq_len=8, batch_size=2)
     )

@@ -102,7 +102,13 @@ def model_defaults(model: str) -> dict[str, Any]:
             "seq_len": 64,
             "lrs": octaves(-12, -4),
         }
-    return {"data": "mnist1d", "width": 32, "depth": 4, "batch_size": 64, "lrs": octaves(-13, -5)}
+    return {
+        "data": "mnist1d",
+        "width": 32,
+        "depth": 4,
+        "batch_size": 128,
+        "lrs": octaves(-12, -4),
+    }
 
 
 @dataclass(frozen=True)
@@ -142,19 +148,19 @@ class SweepConfig:
     axis: str = "width"
     scales: tuple[float, ...] = (1, 2, 4, 8)
     lrs: tuple[float, ...] = field(default_factory=lambda: model_defaults("resmlp")["lrs"])
-    steps: int = 300
+    steps: int = 150
     seeds: int = 2
     data: str = "mnist1d"
-    batch_size: int = 64
+    batch_size: int = 128
     width: int = 32
     depth: int = 4
     init_scale: float = 1.0
-    num_samples: int = 5000
+    num_samples: int = 25000
     seq_len: int = 64
-    last: int = 60
+    last: int = 30
     samples: int = 8
     warmup_samples: int = 40
-    every: int = 25
+    every: int = 10
     flerm_mode: str = "static"
     modes: tuple[str, ...] = MODES
 
@@ -180,6 +186,30 @@ class SweepConfig:
     def base_scale(self) -> float:
         """The smallest scale: the base model."""
         return self.scales[0]
+
+    @property
+    def task_name(self) -> str:
+        """Name of the built-in task (model family and data), part of the cache fingerprint.
+
+        Example:
+            >>> SweepConfig().task_name
+            'resmlp/mnist1d'
+        """
+        return f"{self.model}/{self.data}"
+
+    @property
+    def train_size(self) -> int | None:
+        """Training samples of a classification data set (``None`` for text).
+
+        Example:
+            >>> SweepConfig(num_samples=25000).train_size, SweepConfig(data="digits").train_size
+            (20000, 1438)
+        """
+        if self.data == "digits":
+            return 1438
+        if self.data == "mnist1d":
+            return int(self.num_samples // 10 * 10 * 0.8)
+        return None
 
     @property
     def policy(self) -> str:
@@ -281,6 +311,13 @@ class SweepConfig:
                 f"{self.axis} {unit} times {bad} is not a whole number of "
                 f"{'units' if self.axis == 'width' else 'blocks'}",
             )
+        train_size = self.train_size
+        need(
+            train_size is None or self.batch_size <= train_size,
+            "batch_size",
+            f"must be at most the {train_size} training samples of {self.data}, "
+            f"got {self.batch_size}",
+        )
         if self.model == "transformer" and self.axis == "width":
             bad = [s for s in self.scales if round(self.width * s) % 16]
             need(
@@ -374,18 +411,21 @@ def scale_key(scale: float) -> str:
 
 
 #: The ``fslr demo`` configuration: ResMLP width transfer (32 -> 256 units, 4 blocks) on
-#: procedural MNIST-1D, 9 learning rates an octave apart, 2 seeds. See ``docs/demo.md`` for why.
+#: procedural MNIST-1D, 9 learning rates an octave apart, 2 seeds. One pass over 20,000
+#: training samples (150 steps of 128), so train loss measures learning, not memorisation;
+#: see ``docs/demo.md`` for why this task.
 DEMO = SweepConfig(
     model="resmlp",
     axis="width",
     scales=(1, 2, 4, 8),
-    lrs=octaves(-13, -5),
-    steps=300,
+    lrs=octaves(-12, -4),
+    steps=150,
     seeds=2,
     data="mnist1d",
-    batch_size=64,
+    batch_size=128,
     width=32,
     depth=4,
-    num_samples=5000,
-    last=60,
+    num_samples=25000,
+    last=30,
+    every=10,
 )

@@ -230,7 +230,7 @@ def builtin_task(config: SweepConfig) -> Task:
         train_bytes, test_bytes = data.split_bytes(data.pydoc_text())
         x_test, y_test = next(data.lm_batches(test_bytes, 32, config.seq_len, generator=0))
         return Task(
-            name="transformer/text",
+            name=config.task_name,
             build=functools.partial(_build_transformer, config),
             train_batches=functools.partial(_text_batches, train_bytes, bs, config.seq_len),
             probe_batches=functools.partial(_text_probes, train_bytes, bs, config.seq_len),
@@ -241,10 +241,10 @@ def builtin_task(config: SweepConfig) -> Task:
         data.mnist1d(num_samples=config.num_samples) if config.data == "mnist1d" else data.digits()
     )
     x, y = split.x_train, split.y_train
-    if bs > len(y):
+    if bs > len(y):  # pragma: no cover - validate() checks it from the data set's known size
         raise ConfigError("batch_size", f"must be at most the {len(y)} training samples, got {bs}")
     return Task(
-        name=f"resmlp/{config.data}",
+        name=config.task_name,
         build=functools.partial(_build_resmlp, config, split.in_features, split.num_classes),
         train_batches=functools.partial(_class_batches, x, y, bs),
         probe_batches=functools.partial(_class_probes, x, y, bs),
@@ -606,7 +606,8 @@ def run_sweep(
     Args:
         config: the sweep (validated here).
         out: output folder (created).
-        task: the model family and data; default: :func:`builtin_task` of ``config``.
+        task: the model family and data; default: :func:`builtin_task` of ``config``, built
+            (its data loaded or generated) only when some run is not cached.
         jobs: worker processes; ``1`` runs in this process.
         quiet: no progress bar (it is also off when stderr is not a terminal).
         threads: torch threads per run (restored afterwards); small models train fastest
@@ -625,14 +626,14 @@ def run_sweep(
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
         raise ValueError(f"threads must be None or a positive integer, got {threads!r}")
-    task = builtin_task(config) if task is None else task
+    task_name = config.task_name if task is None else task.name
     out = Path(out)
     (out / "records").mkdir(parents=True, exist_ok=True)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    fingerprint = config.fingerprint({"task": task.name})
+    fingerprint = config.fingerprint({"task": task_name})
     write_json(
         out / "sweep.json",
-        {"config": config.to_dict(), "task": task.name, "fingerprint": fingerprint},
+        {"config": config.to_dict(), "task": task_name, "fingerprint": fingerprint},
     )
     seeds = list(range(config.seeds))
     base = config.base_scale
@@ -712,13 +713,15 @@ def run_sweep(
             return None if mean is None else (mean, False)
         return None, spec.scale == base
 
+    if task is None and (todo or extra):
+        task = builtin_task(config)
     previous_threads = torch.get_num_threads()
     progress = _Progress(len(todo) + len(extra), quiet)
     try:
         release()
         if threads is not None:
             torch.set_num_threads(threads)
-        if jobs == 1:
+        if jobs == 1 or not ready:
             while ready:
                 ready.sort(key=priority)
                 spec = ready.pop()
@@ -726,10 +729,12 @@ def run_sweep(
                 if args is None:
                     finish(spec, _unusable(spec), None)
                 else:
+                    assert task is not None
                     result, rec = execute(task, config, spec, args[0], record=args[1])
                     finish(spec, result, rec)
                 release()
         else:
+            assert task is not None
             per_job = threads if threads is not None else max(1, _cpu_count() // jobs)
             ctx = multiprocessing.get_context("spawn")
             with cf.ProcessPoolExecutor(
