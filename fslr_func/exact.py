@@ -17,7 +17,9 @@ dW\rangle`, after one warning: the same number, two backward passes per tensor.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
@@ -30,15 +32,26 @@ from .functional import (
     as_output_tensor,
     check_delta,
     model_forward,
+    substituted,
 )
 from .probe import check_forward_seed, warn_once
 
 
-def _autograd_jvp(f: Callable[[Tensor], Tensor], primal: Tensor, tangent: Tensor) -> Tensor:
-    """``J tangent`` of ``f`` at ``primal`` with reverse-mode autograd only (double vjp)."""
+def _autograd_jvp(
+    f: Callable[[Tensor], Tensor],
+    primal: Tensor,
+    tangent: Tensor,
+    backward_context: Callable[[], contextlib.AbstractContextManager[None]] = nullcontext,
+) -> Tensor:
+    """``J tangent`` of ``f`` at ``primal`` with reverse-mode autograd only (double vjp).
+
+    The backward passes run under ``backward_context()`` (entered after the forward): for
+    activation checkpointing, which recomputes the forward inside them.
+    """
     w = primal.detach().requires_grad_(True)
     with torch.enable_grad():
         out = f(w)
+    with torch.enable_grad(), backward_context():
         if not out.requires_grad:
             return torch.zeros_like(out)
         u = torch.zeros_like(out, requires_grad=True)
@@ -90,19 +103,25 @@ def exact(
 
     result = {}
     use_jvp = True
+    last_state: list[dict[str, Tensor]] = []
+
+    def backward_context() -> contextlib.AbstractContextManager[None]:
+        return substituted(model, last_state[0])
+
     for name, d in delta.items():
 
         def flat_output(w: Tensor, name: str = name) -> Tensor:
             state = {**point, **tensors.constants(), name: w}
+            last_state[:] = [state]
             out = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
             return as_output_tensor(out, output_fn).reshape(-1)
 
         primal, direction = point[name], d.to(point[name].dtype)
-        tangent = None
         if use_jvp:
             try:
                 tangent = jvp(flat_output, (primal,), (direction,))[1]
             except (RuntimeError, NotImplementedError) as err:
+                tangent = _autograd_jvp(flat_output, primal, direction, backward_context)
                 use_jvp = False
                 warn_once(
                     model,
@@ -112,7 +131,7 @@ def exact(
                     f"back to a double vjp with plain autograd (same result, two backward "
                     f"passes per tensor)",
                 )
-        if tangent is None:
-            tangent = _autograd_jvp(flat_output, primal, direction)
+        else:
+            tangent = _autograd_jvp(flat_output, primal, direction, backward_context)
         result[name] = tangent.to(torch.float64).square().mean().sqrt()
     return result

@@ -74,10 +74,10 @@ def as_output_tensor(out: Any, output_fn: OutputFn | None) -> Tensor:
         out = output_fn(out)
     if not isinstance(out, Tensor):
         hint = ""
-        if isinstance(out, Mapping):
-            hint = f" (a mapping with keys {list(out)[:6]})"
-        elif hasattr(out, "logits"):
+        if isinstance(getattr(out, "logits", None), Tensor):  # Hugging Face ModelOutput
             hint = " (it has .logits: output_fn=lambda out: out.logits)"
+        elif isinstance(out, Mapping):
+            hint = f" (a mapping with keys {list(out)[:6]})"
         raise TypeError(
             f"the model output is a {type(out).__name__}{hint}, not a Tensor: pass "
             f"output_fn=... that selects the output tensor whose movement the FSLR measures"
@@ -191,6 +191,12 @@ def check_delta(
     ]
     if not_tensor:
         raise TypeError(f"{what} values must be tensors:\n" + "\n".join(not_tensor))
+    complex_ = [n for n, d in delta.items() if d.is_complex() or tensors.trainable[n].is_complex()]
+    if complex_:
+        raise ValueError(
+            f"complex parameters are not supported (the FSLR of a complex update is not "
+            f"defined by the estimators): {complex_}; pass the real parameters only"
+        )
     bad_shape = [
         f"  {n!r}: {tuple(d.shape)} != {tuple(tensors.trainable[n].shape)}"
         for n, d in delta.items()
@@ -226,6 +232,27 @@ def model_forward(
         tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
     with transformable_attention(), seeded_forward(forward_seed), eager_submodules():
         return functional_call(module, dict(tensors), args, kwargs, strict=False)
+
+
+@contextlib.contextmanager
+def substituted(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
+    """Keep ``tensors`` in ``model`` (as :func:`model_forward` does) for a backward pass.
+
+    Activation checkpointing (``torch.utils.checkpoint``, Hugging Face's gradient
+    checkpointing) recomputes parts of the forward inside the backward, reading the module's
+    attributes again: the plain-autograd paths run their backward passes under this context
+    so the recomputation sees the same tensors (and attention kernel) as the forward did.
+    """
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    module, prefix = compiled_inner(model)
+    state = {k.removeprefix(prefix): v for k, v in tensors.items()} if prefix else dict(tensors)
+    with (
+        transformable_attention(),
+        eager_submodules(),
+        _reparametrize_module(module, state, tie_weights=True, strict=False),
+    ):
+        yield
 
 
 class ReadoutFinder:

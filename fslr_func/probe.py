@@ -17,6 +17,7 @@ not depend on the strategy or the chunk size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 from collections.abc import Callable, Mapping
@@ -46,6 +47,8 @@ from .functional import (
     check_delta,
     model_forward,
     readout_roles,
+    substituted,
+    transformable_attention,
 )
 
 OmegaKind = Literal["gaussian", "rademacher"]
@@ -141,16 +144,21 @@ def _func_vjp(
 
 
 def _autograd_vjp(
-    flat_output: Callable[[dict[str, Tensor]], Tensor], primals: dict[str, Tensor]
+    flat_output: Callable[[dict[str, Tensor]], Tensor],
+    primals: dict[str, Tensor],
+    backward_context: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
 ) -> tuple[Tensor, VjpFn]:
     leaves = {n: p.detach().requires_grad_(True) for n, p in primals.items()}
     with torch.enable_grad():
         out = flat_output(leaves)
 
     def vjp_fn(cotangent: Tensor) -> tuple[dict[str, Tensor]]:
-        grads = torch.autograd.grad(
-            out, list(leaves.values()), cotangent, retain_graph=True, allow_unused=True
-        )
+        # Activation checkpointing recomputes the forward inside this backward: it must see
+        # the forward's tensors and attention kernel (functional.substituted).
+        with transformable_attention() if backward_context is None else backward_context():
+            grads = torch.autograd.grad(
+                out, list(leaves.values()), cotangent, retain_graph=True, allow_unused=True
+            )
         return (
             {
                 n: torch.zeros_like(leaf) if g is None else g
@@ -225,8 +233,11 @@ def probe(
     found: list[str | None] = []
     out_shape: list[torch.Size] = []
 
+    last_state: list[dict[str, Tensor]] = []
+
     def flat_output(p: dict[str, Tensor]) -> Tensor:
         state = {**fixed, **tensors.constants(), **p}
+        last_state[:] = [state]
         if finder is None:
             raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
             out = as_output_tensor(raw, output_fn)
@@ -251,7 +262,7 @@ def probe(
             raise
         found.clear()
         out_shape.clear()
-        out, vjp_fn = _autograd_vjp(flat_output, primals)
+        out, vjp_fn = _autograd_vjp(flat_output, primals, lambda: substituted(model, last_state[0]))
         if strategy == "auto":
             warn_once(
                 model,
@@ -272,9 +283,14 @@ def probe(
         for n, d in delta.items()
     }
 
+    def dense(g: Tensor) -> Tensor:  # sparse gradients (Embedding(sparse=True))
+        return g if g.layout == torch.strided else g.to_dense()
+
     def sample_stats(w: Tensor) -> dict[str, Tensor]:
         (grads,) = vjp_fn(w * scale)
-        return {n: log_statistics((grads[n] * d).reshape(views[n])) for n, d in delta.items()}
+        return {
+            n: log_statistics((dense(grads[n]) * d).reshape(views[n])) for n, d in delta.items()
+        }
 
     def draw(count: int) -> Tensor:
         return torch.stack(
