@@ -259,10 +259,13 @@ class FLeRM:
         for g in self.optimizer.param_groups:
             lr = float(g["lr"])
             sched = lr / float(g["initial_lr"]) if self.scheduler is not None else base_ratio
+            # one tensor per group gains nothing from multi-tensor kernels: where the optimiser
+            # would pick them itself (foreach=None), skip that per-group check (~10 us each)
+            single = {"foreach": False} if "foreach" in g and g["foreach"] is None else {}
             for p in g["params"]:
                 ratio = self.ratios.get(self._name_of[id(p)])
                 rate = lr if ratio is None else self.lr0 * sched * ratio
-                groups.append({**g, "params": [p], "lr": rate})
+                groups.append({**g, **single, "params": [p], "lr": rate})
         return groups
 
     def lrs(self) -> dict[str, float]:
