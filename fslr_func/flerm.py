@@ -63,7 +63,7 @@ import contextlib
 import copy
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -229,26 +229,8 @@ class FLeRM:
                 )
 
     def _targets(self, step: int) -> dict[str, float]:
-        """Policy targets at ``step``; a zero target is kept as 0.0 (the tensor is held)."""
-        base = self.base.at(step)
-        raw = self._policy(base, self.names)
-        zero = []
-        if isinstance(raw, Mapping):
-            zero = [
-                n
-                for n, v in raw.items()
-                if isinstance(v, (int, float))
-                and not isinstance(v, bool)
-                and 0 <= v <= self.min_fslr
-            ]
-
-        def fixed(b: Mapping[str, float], scaled: Sequence[str], /) -> Any:
-            return {**raw, **dict.fromkeys(zero, 1.0)} if zero else raw
-
-        fixed.__qualname__ = getattr(self._policy, "__qualname__", repr(self._policy))
-        targets = policies.apply(fixed, base, self.names)
-        targets.update(dict.fromkeys(zero, 0.0))
-        return targets
+        """Policy targets at ``step``; a zero target is allowed (the tensor is then held)."""
+        return policies.apply(self._policy, self.base.at(step), self.names, allow_zero=True)
 
     # ------------------------------------------------------------------ rates
 
@@ -312,7 +294,8 @@ class FLeRM:
         zero, nonfinite = [], []
         for n in self.names:
             f, target = measured[n], targets[n]
-            ratio = target / f if math.isfinite(f) and f > self.min_fslr else 0.0
+            usable = math.isfinite(f) and f > self.min_fslr and target > self.min_fslr
+            ratio = target / f if usable else 0.0
             if not (math.isfinite(f) and math.isfinite(ratio)):
                 nonfinite.append(n)
             elif ratio == 0.0:

@@ -410,13 +410,22 @@ def resolve(policy: PolicySpec) -> Policy:
     )
 
 
-def apply(policy: PolicySpec, base: Mapping[str, float], scaled: Iterable[str]) -> dict[str, float]:
+def apply(
+    policy: PolicySpec,
+    base: Mapping[str, float],
+    scaled: Iterable[str],
+    *,
+    allow_zero: bool = False,
+) -> dict[str, float]:
     """Call a policy and validate its result.
 
     Args:
         policy: anything :func:`resolve` accepts.
         base: base tensor name -> base FSLR at the current step.
         scaled: the scaled model's trainable tensor names.
+        allow_zero: accept targets of exactly 0 (a base tensor that did not move the function
+            at that step, e.g. LoRA A while B is still zero); FLeRM holds such tensors at their
+            current rate instead of dividing by them.
 
     Returns:
         Scaled name -> target FSLR, in ``scaled`` order, as floats.
@@ -424,7 +433,7 @@ def apply(policy: PolicySpec, base: Mapping[str, float], scaled: Iterable[str]) 
     Raises:
         ValueError: if the policy does not return a mapping, misses scaled names, adds names
             that are not in the scaled model, or gives a value that is not a finite number
-            ``> 0`` (each offending tensor is named).
+            ``> 0`` (``>= 0`` with ``allow_zero``; each offending tensor is named).
 
     Example:
         >>> apply(lambda base, scaled: {n: 2 * base[n] for n in scaled}, {"w": 0.5}, ["w"])
@@ -464,10 +473,11 @@ def apply(policy: PolicySpec, base: Mapping[str, float], scaled: Iterable[str]) 
             )
         except (TypeError, ValueError, RuntimeError):
             x = math.nan
-        if not (math.isfinite(x) and x > 0):
+        if not (math.isfinite(x) and (x > 0 or (allow_zero and x == 0))):
             bad.append(f"{n!r} = {value!r}")
         out[n] = x
     if bad:
         shown = ", ".join(bad[:10]) + (f", ... ({len(bad) - 10} more)" if len(bad) > 10 else "")
-        raise ValueError(f"{who} gave targets that are not finite numbers > 0: {shown}")
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ValueError(f"{who} gave targets that are not finite numbers {bound}: {shown}")
     return out
