@@ -56,10 +56,18 @@ def _autograd_jvp(
             return torch.zeros_like(out)
         u = torch.zeros_like(out, requires_grad=True)
         (g,) = torch.autograd.grad(out, w, u, create_graph=True, allow_unused=True)
-        if g is None or not g.requires_grad:
+        if g is None:  # the output does not depend on this tensor
             return torch.zeros_like(out)
-        (jd,) = torch.autograd.grad(g, u, tangent, allow_unused=True)
-    return torch.zeros_like(out) if jd is None else jd.detach()
+        jd = None
+        if g.requires_grad:
+            (jd,) = torch.autograd.grad(g, u, tangent, allow_unused=True)
+    if jd is None:
+        raise RuntimeError(
+            "the model's backward pass is not differentiable (an autograd Function with "
+            "@once_differentiable, or a backward computed without grad), so exact cannot "
+            "compute J dW without forward-mode AD; the probe (estimate, with_fslr) still works"
+        )
+    return jd.detach()
 
 
 def exact(
