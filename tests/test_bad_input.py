@@ -1,0 +1,373 @@
+"""Bad inputs: every one gets a clear error naming the problem, and nothing passed is modified.
+
+Each row of ``BAD`` is a mistake a user can make; it is tried on ``estimate``, ``exact``,
+``probe`` and the ``with_fslr`` wrapper where the argument exists. After every call (failed or
+not) the model's parameters, buffers and ``requires_grad`` flags, the ``delta`` and ``params``
+tensors and the inputs are compared with copies taken before.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fslr_func as ff
+from fslr_func.probe import probe
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Linear(4, 5)
+        self.norm = nn.BatchNorm1d(5)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.norm(self.body(x))))
+
+
+def make() -> tuple[nn.Module, Tensor, dict[str, Tensor]]:
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(6, 4)
+    delta = {n: 1e-2 * torch.randn_like(p) for n, p in model.named_parameters()}
+    return model, x, delta
+
+
+@dataclass
+class Snapshot:
+    """Deep copies of everything a call could modify."""
+
+    objects: dict[str, Any]
+    flags: dict[str, bool] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, model: nn.Module, **objects: Any) -> Snapshot:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        flags = {n: p.requires_grad for n, p in model.named_parameters()}
+        return cls({"state": state, **copy.deepcopy(objects)}, flags)
+
+    def check(self, model: nn.Module, **objects: Any) -> None:
+        now = Snapshot.of(model, **objects)
+        assert now.flags == self.flags
+        assert set(now.objects) == set(self.objects)
+        for key, before in self.objects.items():
+            assert_same(now.objects[key], before, key)
+
+
+def assert_same(a: Any, b: Any, where: str) -> None:
+    if isinstance(a, Tensor):
+        assert isinstance(b, Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a.nan_to_num(1.5, 2.5, -2.5), b.nan_to_num(1.5, 2.5, -2.5)), where
+    elif isinstance(a, dict):
+        assert set(a) == set(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), where
+        for i, (u, v) in enumerate(zip(a, b, strict=True)):
+            assert_same(u, v, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def bad_delta(change: Callable[[dict[str, Tensor]], Any]) -> Callable[..., dict[str, Any]]:
+    def build(model: nn.Module, x: Tensor, delta: dict[str, Tensor]) -> dict[str, Any]:
+        d = {n: t.clone() for n, t in delta.items()}
+        return {"delta": change(d)}
+
+    return build
+
+
+def _rename(d: dict[str, Tensor], old: str, new: str) -> dict[str, Tensor]:
+    d[new] = d.pop(old)
+    return d
+
+
+def _set(d: dict[str, Tensor], name: str, value: Any) -> dict[str, Tensor]:
+    d[name] = value
+    return d
+
+
+def _poison(d: dict[str, Tensor], name: str, value: float) -> dict[str, Tensor]:
+    d[name][0, 0] = value
+    return d
+
+
+# name -> (what to pass, functions it applies to, exception, message pattern)
+FUNCS = ("estimate", "exact", "probe", "observe")
+DELTA_ROWS: dict[str, tuple[Callable[..., dict[str, Any]], type[Exception], str]] = {
+    "misspelled name": (
+        bad_delta(lambda d: _rename(d, "head.weight", "head.wieght")),
+        ValueError,
+        r"'head\.wieght': did you mean \['head\.weight'",
+    ),
+    "unknown name": (
+        bad_delta(lambda d: _set(d, "decoder.weight", torch.zeros(3, 5))),
+        ValueError,
+        r"(?s)not trainable parameters of the model.*'decoder\.weight'",
+    ),
+    "buffer name": (
+        bad_delta(lambda d: _set(d, "norm.running_mean", torch.zeros(5))),
+        ValueError,
+        r"'norm\.running_mean'",
+    ),
+    "wrong shape": (
+        bad_delta(lambda d: _set(d, "head.weight", torch.zeros(5, 3))),
+        ValueError,
+        r"'head\.weight': \(5, 3\) != \(3, 5\)",
+    ),
+    "NaN update": (
+        bad_delta(lambda d: _poison(d, "body.weight", math.nan)),
+        ValueError,
+        r"NaN or Inf entries in \['body\.weight'\]",
+    ),
+    "Inf update": (
+        bad_delta(lambda d: _poison(d, "head.weight", -math.inf)),
+        ValueError,
+        r"NaN or Inf entries in \['head\.weight'\]",
+    ),
+    "empty delta": (bad_delta(lambda d: {}), ValueError, "delta is empty"),
+    "delta not a dict": (
+        bad_delta(lambda d: list(d.values())),
+        TypeError,
+        "delta must be a dict",
+    ),
+    "delta value not a tensor": (
+        bad_delta(lambda d: _set(d, "head.bias", [0.0, 0.0, 0.0])),
+        TypeError,
+        r"'head\.bias': list",
+    ),
+}
+
+
+def call(func: str, model: nn.Module, x: Any, delta: Any, **kw: Any) -> Any:
+    gen = torch.Generator().manual_seed(0)
+    if func == "estimate":
+        return ff.estimate(model, x, delta, samples=kw.pop("samples", 2), generator=gen, **kw)
+    if func == "exact":
+        return ff.exact(model, x, delta, **kw)
+    if func == "probe":
+        return probe(model, x, delta, samples=kw.pop("samples", 2), generator=gen, **kw)
+    if func == "observe":
+        return ff.with_fslr(model, samples=2, seed=0, **kw).observe(x, delta)
+    raise AssertionError(func)
+
+
+@pytest.mark.parametrize("func", FUNCS)
+@pytest.mark.parametrize("row", sorted(DELTA_ROWS))
+def test_bad_delta(row: str, func: str) -> None:
+    build, exc, pattern = DELTA_ROWS[row]
+    model, x, delta = make()
+    kwargs = build(model, x, delta)
+    snap = Snapshot.of(model, x=x, kwargs=kwargs)
+    with pytest.raises(exc, match=pattern):
+        call(func, model, x, kwargs["delta"])
+    snap.check(model, x=x, kwargs=kwargs)
+
+
+@pytest.mark.parametrize("func", ["estimate", "exact", "probe"])
+@pytest.mark.parametrize("row", ["misspelled name", "wrong shape", "NaN update", "Inf update"])
+def test_bad_params_are_checked_like_delta(row: str, func: str) -> None:
+    build, exc, pattern = DELTA_ROWS[row]
+    model, x, delta = make()
+    params = build(model, x, {n: p.detach().clone() for n, p in model.named_parameters()})
+    snap = Snapshot.of(model, x=x, delta=delta, params=params)
+    with pytest.raises(exc, match=pattern.replace("delta", "params")):
+        call(func, model, x, delta, params=params["delta"])
+    snap.check(model, x=x, delta=delta, params=params)
+
+
+OPTION_ROWS: dict[str, tuple[tuple[str, ...], dict[str, Any], type[Exception], str]] = {
+    "samples=0": (("estimate", "probe"), {"samples": 0}, ValueError, "samples must be a positive"),
+    "samples=-3": (("estimate", "probe"), {"samples": -3}, ValueError, "samples must be"),
+    "samples=2.5": (("estimate", "probe"), {"samples": 2.5}, ValueError, "samples must be"),
+    "unknown estimator": (
+        ("estimate",),
+        {"estimator": "kfac"},
+        ValueError,
+        "unknown estimator 'kfac'; choose one of kron, full, iid",
+    ),
+    "unknown omega": (
+        ("estimate", "probe"),
+        {"omega": "uniform"},
+        ValueError,
+        "unknown omega 'uniform'; choose one of gaussian, rademacher",
+    ),
+    "unknown strategy": (
+        ("estimate", "probe"),
+        {"strategy": "jit"},
+        ValueError,
+        "unknown strategy 'jit'",
+    ),
+    "unknown grouping": (
+        ("estimate", "probe"),
+        {"grouping": "rows"},
+        ValueError,
+        "unknown grouping 'rows'; choose one of auto, dims, matrix",
+    ),
+    "bad grouping callable": (
+        ("estimate", "probe"),
+        {"grouping": lambda n, s: (7,)},
+        ValueError,
+        r"grouping\('body\.weight', \(5, 4\)\) did not return a view shape",
+    ),
+    "chunk_size=0": (("estimate", "probe"), {"chunk_size": 0}, ValueError, "chunk_size must be"),
+    "unknown readout": (
+        ("estimate", "probe"),
+        {"readout": "haed"},
+        ValueError,
+        r"readout='haed' is not a module of the model; did you mean \['head'\]",
+    ),
+    "forward_seed not an int": (
+        ("estimate", "exact", "probe"),
+        {"forward_seed": 1.5},
+        TypeError,
+        "forward_seed must be None or an int",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("row", "func"),
+    [(row, func) for row, (funcs, *_) in sorted(OPTION_ROWS.items()) for func in funcs],
+)
+def test_bad_options(row: str, func: str) -> None:
+    _, kwargs, exc, pattern = OPTION_ROWS[row]
+    model, x, delta = make()
+    snap = Snapshot.of(model, x=x, delta=delta)
+    with pytest.raises(exc, match=pattern):
+        call(func, model, x, delta, **kwargs)
+    snap.check(model, x=x, delta=delta)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "pattern"),
+    [
+        ({"samples": 0}, "samples must be a positive integer"),
+        ({"estimator": "kfac"}, "unknown estimator 'kfac'"),
+        ({"omega": "uniform"}, "unknown omega 'uniform'"),
+        ({"strategy": "jit"}, "unknown strategy 'jit'"),
+        ({"grouping": "rows"}, "unknown grouping 'rows'"),
+        ({"beta": 1.0}, r"beta must be in \[0, 1\)"),
+        ({"beta": -0.1}, r"beta must be in \[0, 1\)"),
+    ],
+)
+def test_with_fslr_rejects_bad_options_at_construction(
+    kwargs: dict[str, Any], pattern: str
+) -> None:
+    model, _, _ = make()
+    snap = Snapshot.of(model)
+    with pytest.raises(ValueError, match=pattern):
+        ff.with_fslr(model, **kwargs)
+    snap.check(model)
+
+
+def test_a_model_without_trainable_parameters() -> None:
+    model, x, delta = make()
+    model.requires_grad_(False)
+    snap = Snapshot.of(model, x=x, delta=delta)
+    for func in ("estimate", "exact", "probe"):
+        with pytest.raises(ValueError, match="no trainable parameters"):
+            call(func, model, x, delta)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ff.with_fslr(model)
+    snap.check(model, x=x, delta=delta)
+    with pytest.raises(ValueError, match="no trainable parameters"):
+        ff.estimate(nn.ReLU(), x, {})
+
+
+def test_inputs_of_the_wrong_kind() -> None:
+    model, x, delta = make()
+    snap = Snapshot.of(model, x=x, delta=delta)
+    for func in ("estimate", "exact", "probe"):
+        with pytest.raises(TypeError, match="inputs must be a Tensor, a tuple"):
+            call(func, model, [x], delta)  # a list is not a tuple of arguments
+        with pytest.raises(TypeError, match="inputs must be"):
+            call(func, model, x.numpy(), delta)
+    snap.check(model, x=x, delta=delta)
+
+
+def test_inputs_the_model_rejects_raise_the_models_error() -> None:
+    model, x, delta = make()
+    for func in ("estimate", "exact"):
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+            call(func, model, x[:, :3], delta)
+
+
+def test_measure_with_an_optimiser_over_other_parameters() -> None:
+    model, x, _ = make()
+    fm = ff.with_fslr(model, samples=2, seed=0)
+    other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
+    with (
+        pytest.raises(ValueError, match="updates none of the module's trainable parameters"),
+        fm.measure(other, x),
+    ):
+        pass
+    frozen_lr = torch.optim.SGD(fm.parameters(), lr=0.0)
+    with pytest.raises(ValueError, match="non-zero learning rate"), fm.measure(frozen_lr, x):
+        pass
+
+
+def test_a_nan_step_is_reported_and_the_wrapper_state_is_unchanged() -> None:
+    model, x, _ = make()
+    fm = ff.with_fslr(model, samples=2, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    model(x).sum().backward()
+    with fm.measure(opt, x):
+        opt.step()
+    ema = {k: v.clone() for k, v in fm.ema.value().items()}
+    for p in model.parameters():
+        p.grad = torch.full_like(p, math.nan)
+    with pytest.raises(ValueError, match="NaN or Inf"), fm.measure(opt, x):
+        opt.step()
+    for k, v in fm.ema.value().items():
+        torch.testing.assert_close(v, ema[k], rtol=0, atol=0)
+
+
+def test_successful_calls_modify_nothing_either() -> None:
+    model, x, delta = make()
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    snap = Snapshot.of(model, x=x, delta=delta, params=params)
+    for func in FUNCS:
+        kw = {} if func == "observe" else {"params": params}
+        call(func, model, x, delta, **kw)
+    ff.estimate(model, x, delta, samples=2, strategy="autograd", forward_seed=0)
+    snap.check(model, x=x, delta=delta, params=params)
+
+
+def test_complex_parameters_are_refused_not_silently_cast() -> None:
+    class Complex(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 4, dtype=torch.complex64))
+            self.head = nn.Linear(4, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            return self.head((x.to(torch.complex64) @ self.w).abs())
+
+    model = Complex()
+    x = torch.randn(5, 4)
+    delta = {n: 1e-2 * torch.randn_like(p) for n, p in model.named_parameters()}
+    snap = Snapshot.of(model, x=x, delta=delta)
+    for func in ("estimate", "exact", "probe", "observe"):
+        with pytest.raises(ValueError, match=r"complex parameters are not supported.*\['w'\]"):
+            call(func, model, x, delta)
+    snap.check(model, x=x, delta=delta)
+    real = {n: d for n, d in delta.items() if n != "w"}
+    assert set(ff.estimate(model, x, real, samples=2)) == set(real)  # the real ones are fine
