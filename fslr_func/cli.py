@@ -1,7 +1,7 @@
 """The ``fslr`` console script: ``fslr demo``, ``fslr sweep`` and ``fslr plot``.
 
 - ``fslr demo``: the README's main job. ResMLP width transfer (32 to 256 units) on procedural
-  MNIST-1D, standard Adam against FLeRM, 9 learning rates an octave apart, 2 seeds
+  MNIST-1D, standard Adam against FLeRM, 9 learning rates an octave apart, 3 seeds
   (:data:`fslr_func.experiments.configs.DEMO`). Writes ``summary.json``, ``transfer.png``,
   ``fslr_time.png`` and ``flerm_lrs.png`` to ``fslr_runs/demo`` (``--out``) and prints the
   best learning rate per width for both modes and its shift in octaves.

@@ -118,8 +118,9 @@ def _scale_label(summary: Mapping[str, Any], scale: float) -> str:
         from .experiments.configs import SweepConfig
 
         try:
-            value = SweepConfig.from_dict(config).model_kwargs(scale)[axis]
-            return f"{axis} {value} ({scale:g}x)"
+            cfg = SweepConfig.from_dict(config)
+            if summary.get("task", cfg.task_name) == cfg.task_name:  # a built-in model
+                return f"{axis} {cfg.model_kwargs(scale)[axis]} ({scale:g}x)"
         except (TypeError, ValueError, KeyError):
             pass
     return f"{axis} {scale:g}x"
@@ -197,7 +198,9 @@ def plot_transfer(
     axes[0].legend(fontsize=8, loc="best")
     config = summary.get("config", {})
     fig.suptitle(
-        title or f"{config.get('model', 'model')}: learning-rate transfer across {summary['axis']}",
+        title
+        or f"{summary.get('task') or config.get('model', 'model')}: learning-rate transfer "
+        f"across {summary['axis']}",
         fontsize=11,
     )
     return _save(fig, path)
@@ -323,6 +326,16 @@ def plot_flerm_lrs(
 # ---------------------------------------------------------------------------------- folders
 
 
+def _task_name(out: Path, default: str) -> str:
+    """The task name a sweep folder's ``sweep.json`` records (custom tasks have their own)."""
+    import json
+
+    try:
+        return str(json.loads((out / "sweep.json").read_text())["task"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return default
+
+
 def plot_record(
     path: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
 ) -> list[Path]:
@@ -365,6 +378,8 @@ def plot_sweep(
     dest = Path(dest) if dest is not None else out
     config, runs = load_runs(out)
     summary = summarise(config, runs)
+    summary["task"] = _task_name(out, config.task_name)
+    builtin = summary["task"] == config.task_name
     written = [plot_transfer(summary, dest / "transfer.png")]
     base = scale_key(config.base_scale)
     modes = summary["modes"]
@@ -375,17 +390,14 @@ def plot_sweep(
         except (OSError, ValueError):
             record = None
         if record is not None and len(record):
-            axis_value = config.model_kwargs(config.base_scale)
-            written.append(
-                plot_fslr_time(
-                    record,
-                    dest / "fslr_time.png",
-                    title=(
-                        f"base {config.model} (width {axis_value['width']}, depth "
-                        f"{axis_value['depth']}): FSLRs over time, Adam lr {lr:.3g}"
-                    ),
-                )
+            kw = config.model_kwargs(config.base_scale)
+            what = (
+                f"{config.model} (width {kw['width']}, depth {kw['depth']})"
+                if builtin
+                else summary["task"]
             )
+            title = f"base {what}: FSLRs over time, Adam lr {lr:.3g}"
+            written.append(plot_fslr_time(record, dest / "fslr_time.png", title=title))
     flr = modes.get("flerm", {}).get("best_lr", {}).get(base)
     if flr is not None:
         chosen = [runs.get(RunSpec("flerm", s, flr, 0).key) for s in config.scales]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -316,3 +317,32 @@ def test_builtin_tasks_build_every_axis() -> None:
     model = lm.build(2.0, 0)
     x, y = next(iter(lm.train_batches(0)))
     assert model(x).shape == (*y.shape, 256) and model.d_model == 32
+
+
+def test_custom_task_skips_builtin_checks(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, scales=(1, 1.25), lrs=(0.02,), modes=("standard",), width=7)
+    with pytest.raises(ConfigError, match="whole number"):
+        cfg.validate()  # 7 x 1.25 units is not a built-in ResMLP
+    result = _sweep(cfg, tmp_path)  # the custom task builds round(8 * 1.25) units itself
+    assert len(result.executed) == 2 and result.summary["task"] == "tiny-width"
+
+
+def test_docs_demo_md_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    doc = Path(__file__).resolve().parents[1] / "docs" / "demo.md"
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert len(blocks) == 1
+    code = blocks[0]
+    for old, new in [
+        ("STEPS = 150", "STEPS = 6"),
+        ("octaves(-10, -5)", "octaves(-6, -5)"),
+        ("num_samples=5000", "num_samples=400"),
+        ("jobs=2", "jobs=1"),
+        ('"fslr_runs/gated"', repr(str(tmp_path / "gated"))),
+    ]:
+        assert old in code, old
+        code = code.replace(old, new)
+    monkeypatch.chdir(tmp_path)
+    exec(compile(code, str(doc), "exec"), {"__name__": "__main__"})
+    summary = json.loads((tmp_path / "gated" / "summary.json").read_text())
+    assert summary["task"] == "gated-mlp/mnist1d" and summary["scales"] == [1.0, 2.0, 4.0]
+    assert (tmp_path / "gated" / "transfer.png").stat().st_size > 1000

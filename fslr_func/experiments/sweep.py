@@ -621,7 +621,7 @@ def run_sweep(
         ConfigError: for an invalid config.
     """
     t0 = time.perf_counter()
-    config.validate()
+    config.validate(builtin=task is None)
     if not isinstance(jobs, int) or jobs < 1:
         raise ValueError(f"jobs must be a positive integer, got {jobs!r}")
     if threads is not None and (not isinstance(threads, int) or threads < 1):
@@ -769,6 +769,7 @@ def run_sweep(
         torch.set_num_threads(previous_threads)
 
     summary = summarise(config, runs, out=out)
+    summary["task"] = task_name
     summary["wall_seconds"] = round(time.perf_counter() - t0, 2)
     summary["executed_runs"] = len(executed)
     write_json(out / "summary.json", summary)
