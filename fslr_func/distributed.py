@@ -61,32 +61,16 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from .estimator import (
     Grouping,
     check_estimator,
-    check_grouping,
     fslr_from_log,
-    grouped_shape,
     log_sq_norm,
     log_statistics,
     mean_log_stats,
 )
 from .functional import (
     Inputs,
-    ModuleTensors,
     OutputFn,
-    ReadoutFinder,
-    as_output_tensor,
-    check_delta,
-    model_forward,
-    readout_roles,
 )
-from .probe import (
-    ProbeResult,
-    _autograd_vjp,
-    _check_options,
-    _func_vjp,
-    _has_conv,
-    draw_omega,
-    warn_once,
-)
+from .probe import ProbeResult, _check_options, draw_omega, prepare_vjp
 from .transform import FSLRModule
 
 OmegaDraw = Literal["global", "local"]
@@ -263,74 +247,27 @@ def probe(
         ValueError: invalid options, or ranks that disagree on ``delta`` or ``samples``.
     """
     _check_options(samples, omega, chunk_size, strategy)
-    check_grouping(grouping)
     if omega_draw not in OMEGA_DRAWS:
         raise ValueError(f"unknown omega_draw {omega_draw!r}; choose one of {OMEGA_DRAWS}")
     rank, _ = _rank_and_size(group)
-    model = unwrap(model)
-    tensors = ModuleTensors.of(model)
-    check_delta(delta, tensors)
-    point = dict(tensors.trainable)
-    if params is not None:
-        check_delta(params, tensors, what="params")
-        point.update({n: p.detach() for n, p in params.items()})
-    primals = {n: point[n] for n in delta}
-    fixed = {n: t for n, t in point.items() if n not in delta}
-
-    finder = ReadoutFinder(model) if readout == "auto" else None
-    found: list[str | None] = []
-    out_shape: list[torch.Size] = []
-
-    def flat_output(p: dict[str, Tensor]) -> Tensor:
-        state = {**fixed, **tensors.constants(), **p}
-        if finder is None:
-            raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
-            out = as_output_tensor(raw, output_fn)
-        else:
-            with finder:
-                raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
-                out = as_output_tensor(raw, output_fn)
-            found.append(finder.find(out))
-        out_shape.append(out.shape)
-        return out.reshape(-1)
-
-    use = strategy
-    if strategy == "auto":
-        on_cpu = next(iter(primals.values())).device.type == "cpu"
-        use = "loop" if (on_cpu and _has_conv(model)) else "vmap"
-    try:
-        if use == "autograd":
-            raise NotImplementedError("autograd requested")
-        out, vjp_fn = _func_vjp(flat_output, primals)
-    except (RuntimeError, NotImplementedError) as err:
-        if strategy not in ("auto", "autograd"):
-            raise
-        found.clear()
-        out_shape.clear()
-        out, vjp_fn = _autograd_vjp(flat_output, primals)
-        if strategy == "auto":
-            warn_once(
-                model,
-                "autograd",
-                f"torch.func could not trace {type(model).__name__} ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:200]}); the FSLR probe falls back to plain "
-                f"autograd, one backward per sample (same result, slower)",
-            )
-        use = "autograd"
-
-    module_name = found[0] if found else (readout if readout != "auto" else None)
+    setup = prepare_vjp(
+        unwrap(model),
+        inputs,
+        delta,
+        params=params,
+        output_fn=output_fn,
+        readout=readout,
+        strategy=strategy,
+        grouping=grouping,
+        forward_seed=forward_seed,
+    )
+    out = setup.output
     local = out.numel()
-    num_params = sum(p.numel() for p in primals.values())
+    num_params = sum(d.numel() for d in delta.values())
     offset, total = omega_span(_gather_layout(local, num_params, samples, group), rank)
     if total == 0:
         raise ValueError("the model output is empty on every rank: nothing to probe")
-    last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
-    roles = readout_roles(model, module_name, primals, last_dim)
     scale = 1.0 / math.sqrt(total)
-    views = {
-        n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, grouping)
-        for n, d in delta.items()
-    }
 
     own: torch.Generator | None = None
     if omega_draw == "local":
@@ -352,37 +289,19 @@ def probe(
         return torch.stack(ws).to(out.device)
 
     def sample_grads(w: Tensor) -> dict[str, Tensor]:
-        return vjp_fn(w * scale)[0]
+        return setup.vjp_fn(w * scale)[0]
 
     def sample_stats(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {n: log_statistics((grads[n] * d).reshape(views[n])) for n, d in delta.items()}
+        return {n: log_statistics((grads[n] * d).reshape(setup.views[n])) for n, d in delta.items()}
 
     chunk = samples if chunk_size is None else min(chunk_size, samples)
     rows: list[dict[str, Tensor]] = []
     for start in range(0, samples, chunk):
-        ws = draw(min(chunk, samples - start))
-        grads: dict[str, Tensor] | None = None
-        if use == "vmap":
-            try:
-                grads = vmap(sample_grads)(ws)
-            except (RuntimeError, NotImplementedError) as err:
-                if strategy == "vmap":
-                    raise
-                warn_once(
-                    model,
-                    "loop",
-                    f"vmap over the probe's vjp failed for {type(model).__name__} "
-                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); falling back "
-                    f"to a loop over samples (same result, may be slower)",
-                )
-                use = "loop"
-        if grads is None:
-            per = [sample_grads(w) for w in ws]
-            grads = {n: torch.stack([p[n] for p in per]) for n in delta}
+        grads = setup.map_samples(sample_grads, draw(min(chunk, samples - start)))
         grads = all_reduce_gradients({n: grads[n].detach() for n in delta}, group)
         rows.append(vmap(sample_stats)(grads))
     log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
-    return ProbeResult(log_stats, roles, module_name, total, use)
+    return ProbeResult(log_stats, setup.readout, setup.readout_module, total, setup.strategy)
 
 
 def estimate(

@@ -8,8 +8,11 @@ every omega, and each sample is reduced at once to the ``D + 2`` log statistics 
 per-sample function. With ``strategy="vmap"`` the samples go through :func:`torch.func.vmap` in
 chunks of ``chunk_size`` (peak memory grows with the chunk, not with ``S``); ``"loop"`` applies
 ``vjp_fn`` once per sample; ``"autograd"`` uses plain ``torch.autograd.grad`` for models that
-torch.func cannot trace. ``"auto"`` picks vmap (loop for conv nets on CPU, where vmap is slower)
-and falls back, with one warning, when a path fails.
+torch.func cannot trace. ``"auto"`` times both on the first chunk (the first sample by loop,
+the rest by vmap: on CPU vmap wins on small models, where per-sample dispatch dominates, and
+loses on large ones and conv nets) and keeps the faster; it also falls back, with one warning,
+when a path fails. :func:`prepare_vjp` and :meth:`VjpSetup.map_samples` are shared with the
+data-parallel probe (:mod:`fslr_func.distributed`).
 
 Every omega sample is drawn on its own from ``generator``, so the result for a given seed does
 not depend on the strategy or the chunk size.
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -129,11 +133,8 @@ def check_forward_seed(seed: int | None) -> None:
         raise TypeError(f"forward_seed must be None or an int, got {seed!r}")
 
 
-def _has_conv(model: nn.Module) -> bool:
-    return any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-
-
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
+SampleFn = Callable[[Tensor], dict[str, Tensor]]
 
 
 def _func_vjp(
@@ -169,6 +170,164 @@ def _autograd_vjp(
     return out.detach(), vjp_fn
 
 
+def _first_line(err: BaseException) -> str:
+    lines = str(err).splitlines()
+    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
+
+
+@dataclass
+class VjpSetup:
+    """One forward of the model under a vjp, and what the probe needs to use it.
+
+    Attributes:
+        model: the module probed.
+        output: the flat model output (``M`` elements), detached.
+        vjp_fn: maps a cotangent of the flat output to ``({name: gradient},)``.
+        readout: readout tensor names -> ``"weight"`` or ``"bias"``.
+        readout_module: the readout module's name, or ``None``.
+        views: tensor name -> the shape ``Z`` is viewed as before its statistics (grouping).
+        strategy: ``"autograd"`` if the forward fell back to plain autograd, else the request.
+        requested: the strategy asked for (``"auto"`` allows fallbacks and timing).
+    """
+
+    model: nn.Module
+    output: Tensor
+    vjp_fn: VjpFn
+    readout: dict[str, str]
+    readout_module: str | None
+    views: dict[str, tuple[int, ...]]
+    strategy: str
+    requested: str
+
+    def map_samples(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
+        """``fn`` applied to every row of ``omegas``, results stacked along a new dim 0.
+
+        ``"vmap"`` batches the rows through :func:`torch.func.vmap`; ``"loop"`` and
+        ``"autograd"`` call ``fn`` row by row. ``"auto"`` times the two on the first call (the
+        first row by loop, the others by vmap, so no row is computed twice) and keeps the
+        faster per row; a vmap that fails falls back to the loop with one warning. The
+        choice made is left in :attr:`strategy` for later calls and probes.
+        """
+        if self.strategy == "auto":
+            if len(omegas) < 2:
+                return self._loop(fn, omegas)
+            start = time.perf_counter()
+            first = self._loop(fn, omegas[:1])
+            per_row_loop = time.perf_counter() - start
+            start = time.perf_counter()
+            rest = self._vmap(fn, omegas[1:])
+            if self.strategy == "auto":  # vmap worked: keep the faster path
+                per_row_vmap = (time.perf_counter() - start) / (len(omegas) - 1)
+                self.strategy = "vmap" if per_row_vmap < per_row_loop else "loop"
+            return {n: torch.cat([first[n], rest[n]]) for n in first}
+        if self.strategy == "vmap":
+            return self._vmap(fn, omegas)
+        return self._loop(fn, omegas)
+
+    def _loop(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
+        rows = [fn(w) for w in omegas]
+        return {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
+
+    def _vmap(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
+        try:
+            return vmap(fn)(omegas)
+        except (RuntimeError, NotImplementedError) as err:
+            if self.requested == "vmap":
+                raise
+            warn_once(
+                self.model,
+                "loop",
+                f"vmap over the probe's vjp failed for {type(self.model).__name__} "
+                f"({_first_line(err)}); falling back to a loop over samples (same result, may "
+                f"be slower)",
+            )
+            self.strategy = "loop"
+            return self._loop(fn, omegas)
+
+
+def prepare_vjp(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    *,
+    params: Mapping[str, Tensor] | None = None,
+    output_fn: OutputFn | None = None,
+    readout: str | None = "auto",
+    strategy: str = "auto",
+    grouping: Grouping = "auto",
+    forward_seed: int | None = None,
+) -> VjpSetup:
+    """Check the arguments and run the model's forward once under a vjp.
+
+    Only the tensors in ``delta`` are differentiated; the other parameters, frozen parameters
+    and cloned buffers are constants. The forward runs under :func:`torch.func.vjp`, or under
+    plain autograd when ``strategy="autograd"`` or when torch.func cannot trace the model and
+    ``strategy="auto"`` (one warning). The readout layer is detected during this forward.
+    Arguments are those of :func:`probe`.
+    """
+    check_grouping(grouping)
+    check_forward_seed(forward_seed)
+    tensors = ModuleTensors.of(model)
+    check_delta(delta, tensors)
+    point = dict(tensors.trainable)
+    if params is not None:
+        check_delta(params, tensors, what="params")
+        point.update({n: p.detach() for n, p in params.items()})
+    primals = {n: point[n] for n in delta}
+    fixed = {n: t for n, t in point.items() if n not in delta}
+
+    finder = ReadoutFinder(model) if readout == "auto" else None
+    found: list[str | None] = []
+    out_shape: list[torch.Size] = []
+    last_state: list[dict[str, Tensor]] = []
+
+    def flat_output(p: dict[str, Tensor]) -> Tensor:
+        state = {**fixed, **tensors.constants(), **p}
+        last_state[:] = [state]
+        with finder if finder is not None else contextlib.nullcontext():
+            raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
+            out = as_output_tensor(raw, output_fn)
+        if finder is not None:
+            found.append(finder.find(out))
+        out_shape.append(out.shape)
+        return out.reshape(-1)
+
+    use = strategy
+    try:
+        if strategy == "autograd":
+            raise NotImplementedError("autograd requested")
+        out, vjp_fn = _func_vjp(flat_output, primals)
+    except (RuntimeError, NotImplementedError) as err:
+        if strategy not in ("auto", "autograd"):
+            raise
+        found.clear()
+        out_shape.clear()
+        out, vjp_fn = _autograd_vjp(flat_output, primals, lambda: substituted(model, last_state[0]))
+        if strategy == "auto":
+            warn_once(
+                model,
+                "autograd",
+                f"torch.func could not trace {type(model).__name__} ({_first_line(err)}); the "
+                f"FSLR probe falls back to plain autograd, one backward per sample (same "
+                f"result, slower)",
+            )
+        use = "autograd"
+
+    module_name = found[0] if found else (readout if readout != "auto" else None)
+    last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
+    roles = readout_roles(model, module_name, primals, last_dim)
+    views = {
+        n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, grouping)
+        for n, d in delta.items()
+    }
+    return VjpSetup(model, out, vjp_fn, roles, module_name, views, use, strategy)
+
+
+def _dense(g: Tensor) -> Tensor:
+    """Sparse gradients (``Embedding(sparse=True)``) as dense tensors."""
+    return g if g.layout == torch.strided else g.to_dense()
+
+
 def probe(
     model: nn.Module,
     inputs: Inputs,
@@ -199,7 +358,8 @@ def probe(
         output_fn: maps the model output to the tensor whose movement is measured.
         readout: ``"auto"`` (detect), a module name, or ``None`` (no readout variants).
         chunk_size: samples per vmap call (peak memory grows with it); ``None``: all at once.
-        strategy: ``"auto"``, ``"vmap"``, ``"loop"`` or ``"autograd"``.
+        strategy: ``"auto"`` (time vmap against a loop on the first chunk and keep the
+            faster; fall back where a path fails), ``"vmap"``, ``"loop"`` or ``"autograd"``.
         grouping: how each tensor's dims are grouped into Kronecker factors before the
             statistics (:func:`fslr_func.estimator.grouped_shape`); readout tensors keep
             their shape.
@@ -208,7 +368,8 @@ def probe(
             dropout masks. ``None``: the forward uses the global RNG.
 
     Returns:
-        A :class:`ProbeResult`.
+        A :class:`ProbeResult`; its ``strategy`` is the one that ran (pass it back to skip the
+        timing on the next probe of the same model).
 
     Example:
         >>> model = torch.nn.Linear(3, 2)
@@ -218,108 +379,38 @@ def probe(
         (torch.Size([4, 4]), {'weight': 'weight', 'bias': 'bias'})
     """
     _check_options(samples, omega, chunk_size, strategy)
-    check_grouping(grouping)
-    check_forward_seed(forward_seed)
-    tensors = ModuleTensors.of(model)
-    check_delta(delta, tensors)
-    point = dict(tensors.trainable)
-    if params is not None:
-        check_delta(params, tensors, what="params")
-        point.update({n: p.detach() for n, p in params.items()})
-    primals = {n: point[n] for n in delta}
-    fixed = {n: t for n, t in point.items() if n not in delta}
-
-    finder = ReadoutFinder(model) if readout == "auto" else None
-    found: list[str | None] = []
-    out_shape: list[torch.Size] = []
-
-    last_state: list[dict[str, Tensor]] = []
-
-    def flat_output(p: dict[str, Tensor]) -> Tensor:
-        state = {**fixed, **tensors.constants(), **p}
-        last_state[:] = [state]
-        if finder is None:
-            raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
-            out = as_output_tensor(raw, output_fn)
-        else:
-            with finder:
-                raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
-                out = as_output_tensor(raw, output_fn)
-            found.append(finder.find(out))
-        out_shape.append(out.shape)
-        return out.reshape(-1)
-
-    use = strategy
-    if strategy == "auto":
-        on_cpu = next(iter(primals.values())).device.type == "cpu"
-        use = "loop" if (on_cpu and _has_conv(model)) else "vmap"
-    try:
-        if use == "autograd":
-            raise NotImplementedError("autograd requested")
-        out, vjp_fn = _func_vjp(flat_output, primals)
-    except (RuntimeError, NotImplementedError) as err:
-        if strategy not in ("auto", "autograd"):
-            raise
-        found.clear()
-        out_shape.clear()
-        out, vjp_fn = _autograd_vjp(flat_output, primals, lambda: substituted(model, last_state[0]))
-        if strategy == "auto":
-            warn_once(
-                model,
-                "autograd",
-                f"torch.func could not trace {type(model).__name__} ({type(err).__name__}: "
-                f"{str(err).splitlines()[0][:200]}); the FSLR probe falls back to plain "
-                f"autograd, one backward per sample (same result, slower)",
-            )
-        use = "autograd"
-
-    module_name = found[0] if found else (readout if readout != "auto" else None)
+    setup = prepare_vjp(
+        model,
+        inputs,
+        delta,
+        params=params,
+        output_fn=output_fn,
+        readout=readout,
+        strategy=strategy,
+        grouping=grouping,
+        forward_seed=forward_seed,
+    )
+    out = setup.output
     num_outputs = out.numel()
-    last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
-    roles = readout_roles(model, module_name, primals, last_dim)
     scale = 1.0 / math.sqrt(num_outputs)
-    views = {
-        n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, grouping)
-        for n, d in delta.items()
-    }
-
-    def dense(g: Tensor) -> Tensor:  # sparse gradients (Embedding(sparse=True))
-        return g if g.layout == torch.strided else g.to_dense()
 
     def sample_stats(w: Tensor) -> dict[str, Tensor]:
-        (grads,) = vjp_fn(w * scale)
+        (grads,) = setup.vjp_fn(w * scale)
         return {
-            n: log_statistics((dense(grads[n]) * d).reshape(views[n])) for n, d in delta.items()
+            n: log_statistics((_dense(grads[n]) * d).reshape(setup.views[n]))
+            for n, d in delta.items()
         }
 
-    def draw(count: int) -> Tensor:
-        return torch.stack(
+    chunk = samples if chunk_size is None else min(chunk_size, samples)
+    rows = []
+    for start in range(0, samples, chunk):
+        count = min(chunk, samples - start)
+        ws = torch.stack(
             [draw_omega(num_outputs, omega, generator, out.device, out.dtype) for _ in range(count)]
         )
-
-    chunk = samples if chunk_size is None else min(chunk_size, samples)
-    rows: list[dict[str, Tensor]] = []
-    for start in range(0, samples, chunk):
-        ws = draw(min(chunk, samples - start))
-        if use == "vmap":
-            try:
-                rows.append(vmap(sample_stats)(ws))
-                continue
-            except (RuntimeError, NotImplementedError) as err:
-                if strategy == "vmap":
-                    raise
-                warn_once(
-                    model,
-                    "loop",
-                    f"vmap over the probe's vjp failed for {type(model).__name__} "
-                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); falling back "
-                    f"to a loop over samples (same result, may be slower)",
-                )
-                use = "loop"
-        per = [sample_stats(w) for w in ws]
-        rows.append({n: torch.stack([p[n] for p in per]) for n in delta})
+        rows.append(setup.map_samples(sample_stats, ws))
     log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
-    return ProbeResult(log_stats, roles, module_name, num_outputs, use)
+    return ProbeResult(log_stats, setup.readout, setup.readout_module, num_outputs, setup.strategy)
 
 
 def estimate(

@@ -123,6 +123,8 @@ class FSLRModule(nn.Module):
         self.output_fn = output_fn
         self.chunk_size = chunk_size
         self.strategy = strategy
+        # What "auto" resolved to on the first probe (timing, fallbacks): reused afterwards.
+        self.resolved_strategy = strategy
         self.grouping = grouping
         self.ema = EMA(beta)
         self.readout_roles: dict[str, str] = {}
@@ -159,6 +161,7 @@ class FSLRModule(nn.Module):
         batches: list[Inputs] = list(inputs) if isinstance(inputs, list) else [inputs]  # type: ignore[list-item]
         for batch in batches:
             result = self._probe(batch, delta, params)
+            self.resolved_strategy = result.strategy
             self.readout_roles.update(result.readout)
             self.ema.update({n: mean_log_stats(s) for n, s in result.log_stats.items()})
         return self.fslr()
@@ -178,7 +181,7 @@ class FSLRModule(nn.Module):
             "output_fn": self.output_fn,
             "readout": self.readout,
             "chunk_size": self.chunk_size,
-            "strategy": self.strategy,
+            "strategy": self.resolved_strategy,
             "grouping": self.grouping,
         }
 
@@ -230,6 +233,7 @@ class FSLRModule(nn.Module):
             "ema": self.ema.state_dict(),
             "readout_roles": dict(self.readout_roles),
             "generator": self.generator.get_state(),
+            "resolved_strategy": self.resolved_strategy,
         }
 
     def set_extra_state(self, state: Any) -> None:
@@ -239,6 +243,7 @@ class FSLRModule(nn.Module):
         self.ema.load_state_dict(state["ema"])
         self.readout_roles = dict(state["readout_roles"])
         self.generator.set_state(state["generator"])
+        self.resolved_strategy = state.get("resolved_strategy", self.strategy)
 
 
 def with_fslr(

@@ -676,9 +676,12 @@ def test_fallbacks_are_needed_exactly_where_docs_modules_md_says(
     messages = [str(w.message) for w in record if issubclass(w.category, RuntimeWarning)]
     assert any("double vjp" in m for m in messages) == (name in FALLBACK_CASES), messages
     assert not any("falls back to plain autograd" in m for m in messages), messages
-    expected = {"conv1d", "conv2d", "batchnorm-train", "batchnorm-eval"}
-    expected |= {"conv-transpose-conv3d-groupnorm", "embedding-sparse"}
-    assert r.strategy == ("loop" if name in expected else "vmap"), r.strategy
+    # "auto" times vmap against a loop, so only a *failed* vmap is deterministic: sparse
+    # gradients have no batching rule and fall back to the loop with a warning.
+    vmap_failed = any("vmap over the probe's vjp failed" in m for m in messages)
+    assert vmap_failed == (name == "embedding-sparse"), messages
+    if vmap_failed:
+        assert r.strategy == "loop"
 
 
 def test_embedding_bag_probe_works_and_exact_says_it_cannot() -> None:

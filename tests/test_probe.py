@@ -247,3 +247,29 @@ def test_a_seeded_generator_reproduces_the_estimate():
     a = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(5))
     b = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(5))
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.parametrize("chunk_size", [None, 2])
+def test_auto_times_vmap_against_a_loop_and_keeps_the_same_numbers(chunk_size, double):
+    torch.manual_seed(0)
+    model, x = MLP(), torch.randn(6, 5)
+    delta = random_delta(model)
+
+    def run(strategy):
+        return probe(
+            model,
+            x,
+            delta,
+            samples=5,
+            strategy=strategy,
+            chunk_size=chunk_size,
+            generator=torch.Generator().manual_seed(3),
+        )
+
+    auto = run("auto")
+    assert auto.strategy in ("vmap", "loop")
+    reference = run("loop").log_stats
+    for n in delta:
+        torch.testing.assert_close(auto.log_stats[n], reference[n], rtol=1e-10, atol=1e-10)
+    # One sample cannot be timed both ways: a single-sample probe stays undecided.
+    assert probe(model, x, delta, samples=1).strategy == "auto"

@@ -142,3 +142,18 @@ def test_wrapper_errors_are_clear():
     other = torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)
     with pytest.raises(ValueError, match=r"fm\.parameters"), fm.measure(other, torch.randn(2, 5)):
         pass
+
+
+def test_the_wrapper_reuses_and_checkpoints_the_strategy_auto_chose():
+    torch.manual_seed(0)
+    fm = ff.with_fslr(ResMLP(), samples=3, seed=0)
+    assert fm.resolved_strategy == "auto"
+    delta = {n: torch.ones_like(p) for n, p in fm.module.named_parameters()}
+    fm.observe(data()[0], delta)
+    assert fm.resolved_strategy in ("vmap", "loop")
+    other = ff.with_fslr(ResMLP(), samples=3, seed=0)
+    other.load_state_dict(fm.state_dict())
+    assert other.resolved_strategy == fm.resolved_strategy
+    pinned = ff.with_fslr(ResMLP(), samples=3, strategy="loop")
+    pinned.observe(data()[0], delta)
+    assert pinned.resolved_strategy == "loop"
