@@ -182,7 +182,15 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "--every",
         {"type": _positive_int, "help": "base runs record FSLRs every EVERY steps"},
     ),
-    "modes": ("--modes", {"type": _modes, "help": "standard,flerm (default: both)"}),
+    "modes": ("--modes", {"type": _modes, "help": "which modes to run, comma-separated"}),
+    "flerm_mode": (
+        "--flerm-mode",
+        {
+            "choices": ("static", "periodic"),
+            "help": "FLeRM sets the rates once after the warm-up (static, the paper's main "
+            "results) or also every EVERY steps (periodic)",
+        },
+    ),
 }
 _FLAG = {field: flag for field, (flag, _) in _OPTIONS.items()}
 
@@ -237,7 +245,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="learning rates x scales x {standard, FLeRM} for a built-in model",
         description="Learning-rate transfer sweep: every learning rate x scale x seed, with "
         "plain Adam and with FLeRM (base = the smallest scale). Runs are cached in the output "
-        "folder; run the same command again to resume.",
+        "folder; run the same command again to resume. The defaults shown are the ResMLP's; "
+        "with --model transformer the data, width, depth, batch size and learning rates "
+        "default to the transformer's (text, 32, 2, 16, 2^-12..2^-4).",
     )
     _add_sweep_options(sweep, SweepConfig(), "fslr_runs/<model>_<axis>")
     plot = sub.add_parser(

@@ -346,3 +346,9 @@ def test_docs_demo_md_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     summary = json.loads((tmp_path / "gated" / "summary.json").read_text())
     assert summary["task"] == "gated-mlp/mnist1d" and summary["scales"] == [1.0, 2.0, 4.0]
     assert (tmp_path / "gated" / "transfer.png").stat().st_size > 1000
+
+
+def test_periodic_flerm_resets_every_every_steps(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, lrs=(0.02,), flerm_mode="periodic")
+    run = _sweep(cfg, tmp_path).runs[RunSpec("flerm", 2.0, 0.02, 0).key]
+    assert run["flerm"]["set_points"] == [0, 3]  # steps = 6, every = 3

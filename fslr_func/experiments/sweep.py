@@ -374,6 +374,7 @@ def execute(
             "fslr": point.fslr,
             "targets": point.targets,
             "held": list(point.held),
+            "set_points": [p.step for p in flerm.history],
         }
     return result, None if recorder is None else recorder.record
 
