@@ -18,9 +18,9 @@ The figure (``docs/img/lora_rank.png``) plots the training loss (mean of the las
 against ``B``'s learning rate, one line per rank; a line that stops marks a diverged run. The
 standard optimum moves with the rank; with FLeRM it should stay with rank 2's.
 
-The base runs use two learning rates (``A``'s and ``B``'s) while :class:`FLeRM` scales one base
-rate, so the targets passed to it are the base FSLRs times ``lr_base(W) / lr_0``: each tensor then
-gets ``lr_base(W) * FSLR_base(W) / FSLR(W)``.
+The base runs use two learning rates (``A``'s and ``B``'s); the record keeps each tensor's rate
+(``record.lrs``) and :class:`FLeRM` matches each base tensor's movement at its own rate: each
+tensor gets ``lr_base(W) * FSLR_base(W) / FSLR(W)``.
 
 Run: ``python examples/lora_rank.py`` (about 5 minutes on one CPU core);
 ``--quick`` for a smoke run (2 ranks, 3 rates, 30 steps).
@@ -32,7 +32,7 @@ import argparse
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -105,18 +105,6 @@ def make_lora(pretrained: Mapping[str, Tensor], rank: int, seed: int) -> Any:
         return get_peft_model(model, config)
 
 
-def per_tensor_lr_targets(base: FSLRRecord, step: int) -> Callable[..., dict[str, float]]:
-    """A FLeRM policy for a base run with per-tensor rates: target * lr_base(W) / lr_0."""
-    row = base.steps.index(step)
-    lr0 = float(base.meta["base_lr"])
-    ratio = {n: lrs[row] / lr0 for n, lrs in base.lrs.items()}
-
-    def policy(fslr: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
-        return {n: fslr[n] * ratio[n] for n in scaled}
-
-    return policy
-
-
 def probe_batches(seed: int) -> Iterator[dict[str, Any]]:
     """Probe inputs: their own stream of the fine-tuning text, separate from training."""
     for x, _ in lm_batches(stdlib_source(), 8, SEQ, generator=1000 + seed):
@@ -146,14 +134,7 @@ def finetune(
             fm, probe_batches(seed), every=None, start_step=start_step, base_lr=lr_b
         )
     if base is not None:
-        flerm = FLeRM(
-            fm,
-            opt,
-            base,
-            probe_batches=probe_batches(seed),
-            policy=per_tensor_lr_targets(base, start_step),
-            start_step=start_step,
-        )
+        flerm = FLeRM(fm, opt, base, probe_batches=probe_batches(seed), start_step=start_step)
     data = lm_batches(stdlib_source(), BATCH, SEQ, generator=seed)
     losses: list[float] = []
     for _ in range(steps):

@@ -2,21 +2,41 @@ r"""FLeRM: function-space learning rate matching (paper section 3.3, Algorithm 1
 
 A base run's FSLRs are recorded (:class:`~fslr_func.recorder.Recorder`); :class:`FLeRM` then
 drives a scaled model (wider, deeper, re-initialised, higher LoRA rank) so that each tensor moves
-the function as its base counterpart did. At a *set point* ``t`` it measures the scaled model's
-unit-learning-rate FSLRs and sets, per tensor,
+the function as its base counterpart did. What is matched is each base tensor's function-space
+movement per step, its unit-rate FSLR times its learning rate,
 
 .. math::
 
-    \eta_W(t) = \eta_0 \, \mathrm{sched}(t) \,
-        \frac{\mathrm{FSLR}^\text{base}_W(t)}{\mathrm{FSLR}_W(t)},
+    m_b(t) = \eta_b(t) \, \mathrm{FSLR}^\text{base}_b(t)
+           = \eta_0 \, \mathrm{sched}^\text{base}(t) \, \tilde F_b(t), \qquad
+    \tilde F_b(t) = \mathrm{FSLR}^\text{base}_b(t) \, \frac{\eta_{0,b}}{\eta_0}, \qquad
+    \eta_{0,b} = \frac{\eta_b(t)}{\mathrm{sched}^\text{base}(t)},
 
-with :math:`\eta_0` the base learning rate (``base.meta["base_lr"]``),
-:math:`\mathrm{FSLR}^\text{base}_W(t)` the policy's target for ``W`` from ``base.at(t)`` (depth:
-:func:`fslr_func.policies.share_blocks`) and :math:`\mathrm{sched}(t)` the schedule ratio
-:math:`\eta(t)/\eta(0)`. The step ``t`` is then re-applied with the new rates (weights and
-optimiser state restored to before the step, step again), as in the paper. The ratio
-:math:`r_W = \mathrm{FSLR}^\text{base}_W / \mathrm{FSLR}_W` is kept until the next set point, so
-:math:`\eta_W(t') = \eta_0 \, \mathrm{sched}(t') \, r_W` follows the schedule in between.
+with :math:`\eta_b(t)` the rate in force for base tensor ``b`` (``base.lrs_at(t)``),
+:math:`\eta_{0,b}` its un-scheduled rate, :math:`\eta_0` the base learning rate
+(``base.meta["base_lr"]``) and :math:`\mathrm{sched}^\text{base}(t)` the base run's schedule
+ratio ``base.sched_at(t)``. The policy (depth: :func:`fslr_func.policies.share_blocks`) maps
+:math:`\tilde F` to a target :math:`T_W(t)` for every scaled tensor, sharing each base tensor's
+movement among the tensors that replace it. At a *set point* ``t`` FLeRM measures the scaled
+model's unit-learning-rate FSLRs and sets, per tensor,
+
+.. math::
+
+    \eta_W(t) = \eta_0 \, \mathrm{sched}(t) \, \frac{T_W(t)}{\mathrm{FSLR}_W(t)},
+
+:math:`\mathrm{sched}(t)` being the schedule ratio :math:`\eta(t)/\eta(0)`. With one base rate
+for all tensors (:math:`\eta_{0,b} = \eta_0`) or a record without ``lrs``,
+:math:`\tilde F_b = \mathrm{FSLR}^\text{base}_b` and this is the paper's rule
+:math:`\eta_W = \eta_0 \, \mathrm{sched}(t) \, \mathrm{FSLR}^\text{base}_W / \mathrm{FSLR}_W`.
+With per-tensor base rates (LoRA: ``A`` and ``B`` at their own rates), the identity policy gives
+each tensor its own base rate times the FSLR ratio,
+:math:`\eta_W = \mathrm{sched}(t) \, \eta_{0,W} \, \mathrm{FSLR}^\text{base}_W / \mathrm{FSLR}_W`,
+and under a depth policy the scaled tensors answering to ``b`` move the function by
+:math:`\sum_W \eta_W \mathrm{FSLR}_W = m_b` in all (with the base schedule). The step ``t`` is
+then re-applied with the new rates (weights and optimiser state restored to before the step,
+step again), as in the paper. The ratio :math:`r_W = T_W / \mathrm{FSLR}_W` is kept until the
+next set point, so :math:`\eta_W(t') = \eta_0 \, \mathrm{sched}(t') \, r_W` follows the
+schedule in between.
 
 Set points: ``mode="static"`` (the paper's main results): once, at ``start_step``, after the
 EMA warm-up (``ceil(warmup_samples / fm.samples)`` probes of that step's update on fresh probe
@@ -85,13 +105,15 @@ Group = dict[str, Any]
 
 @dataclass(frozen=True)
 class SetPoint:
-    """What FLeRM measured and set at one set point.
+    r"""What FLeRM measured and set at one set point.
 
     Attributes:
         step: the training step (re-applied with the new rates).
         lrs: tensor name -> learning rate applied at ``step``, after the set point.
         fslr: tensor name -> the scaled model's FSLR estimate at unit learning rate.
-        targets: tensor name -> the policy's target (base) FSLR at ``step``.
+        targets: tensor name -> the policy's target :math:`T_W` at ``step``: the base FSLRs,
+            each times its base tensor's un-scheduled rate over :math:`\eta_0`, mapped by the
+            policy (the base FSLRs themselves when all base rates are :math:`\eta_0`).
         held: tensors whose rate was kept (zero, tiny or non-finite FSLR or target).
     """
 
@@ -116,7 +138,8 @@ class FLeRM:
             (SGD, Adam, AdamW, Adagrad, Adamax, RMSprop, sign-SGD...: any optimiser whose step
             only reads the gradients and its per-parameter state).
         base: the base run's :class:`~fslr_func.record.FSLRRecord` (mean over seeds or not);
-            ``base.meta["base_lr"]`` is :math:`\eta_0`.
+            ``base.meta["base_lr"]`` is :math:`\eta_0`; ``base.lrs`` (if recorded) gives each
+            base tensor's own rate :math:`\eta_{0,b}`.
         probe_batches: endless iterable of probe inputs, separate from the training batches.
         policy: maps base FSLRs to the scaled tensors: ``"identity"`` (width, init scale, LoRA
             rank), ``"share_blocks"`` (depth), ``"equal"``, ``"equal_all"`` or any
@@ -134,16 +157,17 @@ class FLeRM:
 
     Attributes:
         names: the tensors FLeRM sets, in ``named_parameters()`` order.
-        ratios: tensor name -> :math:`r_W = \mathrm{FSLR}^\text{base}_W / \mathrm{FSLR}_W` from
-            the latest set point (absent before its first successful set point).
+        ratios: tensor name -> :math:`r_W = T_W / \mathrm{FSLR}_W` from the latest set point
+            (absent before its first successful set point).
         history: the :class:`SetPoint` of every set point so far.
         t: index of the next training step.
         lr0: :math:`\eta_0`.
 
     Raises:
         ValueError: for a base record of another estimator or architecture (tensors named), an
-            empty record or one without ``base_lr``, parameters in the optimiser that are not
-            ``fm``'s, or invalid options.
+            empty record, one without a positive ``base_lr``, one with ``lrs`` and a zero
+            schedule ratio, parameters in the optimiser that are not ``fm``'s, or invalid
+            options.
     """
 
     def __init__(
@@ -207,6 +231,17 @@ class FLeRM:
                 "the base record has no meta['base_lr'] (lr_0): record it with a Recorder or "
                 "set record.meta['base_lr']"
             )
+        lr0 = base.meta["base_lr"]
+        number = isinstance(lr0, (int, float)) and not isinstance(lr0, bool)
+        if not (number and math.isfinite(lr0) and lr0 > 0):
+            raise ValueError(f"the base record's meta['base_lr'] must be a number > 0, got {lr0!r}")
+        stalled = [s for s, r in zip(base.steps, base.sched, strict=True) if r == 0]
+        if base.lrs and stalled:
+            raise ValueError(
+                f"the base record's schedule ratio is 0 at steps {stalled[:10]}: its un-scheduled "
+                "rates lrs / sched are undefined there; set record.lrs = {} to run every base "
+                "tensor at base_lr"
+            )
         estimator = base.meta.get("estimator")
         if estimator is not None and estimator != self.fm.estimator:
             raise ValueError(
@@ -229,8 +264,19 @@ class FLeRM:
                 )
 
     def _targets(self, step: int) -> dict[str, float]:
-        """Policy targets at ``step``; a zero target is allowed (the tensor is then held)."""
-        return policies.apply(self._policy, self.base.at(step), self.names, allow_zero=True)
+        r"""Policy targets :math:`T_W` at ``step``; a zero target is allowed (the tensor is held).
+
+        The policy gets :math:`\tilde F_b = \mathrm{FSLR}^\text{base}_b \, \eta_{0,b} / \eta_0`,
+        computed as ``fslr * ((lr_b / lr_0) / sched)``: for a tensor at the rate the schedule
+        ratio was measured from (``sched = lr_b / lr_0``, as the Recorder stores it) the factor
+        is exactly 1, so records with one base rate give exactly the base FSLRs. Base tensors
+        without a recorded rate count as running at :math:`\eta_0`.
+        """
+        fslr = self.base.at(step)
+        rates = self.base.lrs_at(step)
+        sched = self.base.sched_at(step)
+        moved = {b: f * (rates[b] / self.lr0 / sched) if b in rates else f for b, f in fslr.items()}
+        return policies.apply(self._policy, moved, self.names, allow_zero=True)
 
     # ------------------------------------------------------------------ rates
 

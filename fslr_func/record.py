@@ -306,6 +306,17 @@ class FSLRRecord:
         """
         return self.sched[self._row(step)]
 
+    def lrs_at(self, step: int) -> dict[str, float]:
+        """Learning rates in force at ``step`` (same lookup as :meth:`at`); empty without ``lrs``.
+
+        Example:
+            >>> rec = FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 1.0]}, lrs={"w": [0.1, 0.01]})
+            >>> rec.lrs_at(3), rec.lrs_at(5), FSLRRecord(steps=[0], fslr={"w": [1.0]}).lrs_at(0)
+            ({'w': 0.1}, {'w': 0.01}, {})
+        """
+        i = self._row(step)
+        return {name: values[i] for name, values in self.lrs.items()}
+
     # ------------------------------------------------------------------ building
 
     def append(

@@ -122,6 +122,98 @@ def test_identity_record_of_same_model_sets_base_lr(base: FSLRRecord) -> None:
             assert lr == pytest.approx(LR0, rel=1e-6), name
 
 
+def two_rates(fm: ff.FSLRModule, blocks: float = LR0 / 10) -> list[dict[str, Any]]:
+    """Param groups: tensors outside the blocks at ``LR0`` (first: ``base_lr``), blocks slower."""
+    named = list(fm.module.named_parameters())
+    return [
+        {"params": [p for n, p in named if not n.startswith("blocks.")], "lr": LR0},
+        {"params": [p for n, p in named if n.startswith("blocks.")], "lr": blocks},
+    ]
+
+
+def per_tensor_record(
+    depth: int = 2, *, dtype: torch.dtype = torch.float32, sched: bool = False, **kw: Any
+) -> FSLRRecord:
+    """A base run with blocks at ``LR0 / 10``, the rest at ``LR0`` (StepLR halving if ``sched``)."""
+    fm = build(depth=depth, dtype=dtype, samples=4)
+    opt = torch.optim.Adam(two_rates(fm))
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5) if sched else None
+    rec = Recorder(fm, stream(3, dtype), warmup_samples=8, scheduler=scheduler, **kw)
+    loop(fm, opt, rec, data(2, 5, dtype), scheduler)
+    return rec.record
+
+
+def test_per_tensor_base_rates_are_set_back_on_the_same_model() -> None:
+    """Base: two groups (1e-2, 1e-3) under StepLR; FLeRM with one group restores each rate."""
+    base = per_tensor_record(dtype=torch.float64, sched=True, every=2)
+    assert base.sched == [1.0, 0.5, 0.25] and base.meta["base_lr"] == LR0
+    assert base.lrs["blocks.0.linear.weight"] == pytest.approx([LR0 / 10, LR0 / 20, LR0 / 40])
+    fm = build(dtype=torch.float64, samples=4)
+    opt = torch.optim.Adam(fm.parameters(), lr=LR0)
+    flerm = FLeRM(
+        fm,
+        opt,
+        base,
+        probe_batches=stream(3, torch.float64),
+        mode="periodic",
+        every=2,
+        warmup_samples=8,
+    )
+    loop(fm, opt, flerm, data(2, 5, torch.float64))
+    assert [p.step for p in flerm.history] == [0, 2, 4]
+    for point in flerm.history:
+        assert point.held == ()
+        want = base.lrs_at(point.step)
+        for name, lr in point.lrs.items():
+            assert lr == pytest.approx(want[name], rel=1e-6), (point.step, name)
+
+
+def test_depth_with_per_tensor_base_rates_conserves_movement() -> None:
+    """Scaled tensors answering to base tensor b move the function by lr_b * FSLR_b in all."""
+    base = per_tensor_record(every=None)
+    fm = build(16, depth=8, samples=4)
+    opt = torch.optim.Adam(fm.parameters(), lr=LR0)
+    flerm = FLeRM(fm, opt, base, probe_batches=stream(3), policy="share_blocks", warmup_samples=8)
+    loop(fm, opt, flerm, data(2, 1))
+    point = flerm.history[0]
+    assert point.held == ()
+    moved: dict[str, float] = dict.fromkeys(base.names, 0.0)
+    for name, lr in point.lrs.items():
+        m = re.match(r"blocks\.(\d+)\.(.*)", name)
+        b = name if m is None else f"blocks.{int(m.group(1)) // 4}.{m.group(2)}"
+        moved[b] += lr * point.fslr[name]
+    rates, fslr = base.lrs_at(0), base.at(0)
+    assert min(rates.values()) == LR0 / 10 and max(rates.values()) == LR0
+    for b, value in moved.items():
+        assert value == pytest.approx(rates[b] * fslr[b], rel=1e-9), b
+
+
+def test_one_base_rate_or_no_lrs_is_the_single_lr0_rule() -> None:
+    """Bit for bit: targets are the base FSLRs, rates lr_0 * sched * target / FSLR."""
+    fm0 = build(samples=4)
+    opt0 = torch.optim.Adam(fm0.parameters(), lr=LR0)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(opt0, T_max=7)
+    rec = Recorder(fm0, stream(3), warmup_samples=8, every=2, scheduler=cosine)
+    loop(fm0, opt0, rec, data(2, 5), cosine)
+    scheduled = rec.record  # one rate: lrs = lr_0 * sched up to rounding
+    assert scheduled.lrs and all(0 < s < 1 for s in scheduled.sched[1:])
+    two = per_tensor_record(every=2)
+    no_lrs = FSLRRecord(steps=two.steps, fslr=two.fslr, sched=two.sched, meta=two.meta)
+    for base in (scheduled, no_lrs):
+        fm = build(32, samples=4)
+        opt = torch.optim.Adam(fm.parameters(), lr=LR0)
+        flerm = FLeRM(
+            fm, opt, base, probe_batches=stream(3), mode="periodic", every=2, warmup_samples=8
+        )
+        loop(fm, opt, flerm, data(2, 5))
+        assert [p.step for p in flerm.history] == [0, 2, 4]
+        for point in flerm.history:
+            assert point.targets == base.at(point.step)
+            s = base.sched_at(point.step)
+            for n, lr in point.lrs.items():
+                assert lr == LR0 * s * (point.targets[n] / point.fslr[n]), n
+
+
 def test_matching_4x_wider_moves_function_as_base() -> None:
     """exact(scaled update) = base FSLR * lr_0, up to the scaled estimator's error.
 
@@ -366,6 +458,17 @@ def test_invalid_setups_are_errors(base: FSLRRecord) -> None:
         FLeRM(fm, opt, no_lr, probe_batches=stream(3))
     with pytest.raises(ValueError, match="empty"):
         FLeRM(fm, opt, FSLRRecord(meta={"base_lr": LR0}), probe_batches=stream(3))
+    for lr0 in (0.0, -LR0, "0.01", True):
+        bad_lr = FSLRRecord.from_dict(base.to_dict())
+        bad_lr.meta["base_lr"] = lr0
+        with pytest.raises(ValueError, match=r"base_lr'\] must be a number > 0"):
+            FLeRM(fm, opt, bad_lr, probe_batches=stream(3))
+    stalled = FSLRRecord.from_dict(base.to_dict())
+    stalled.sched[1] = 0.0
+    with pytest.raises(ValueError, match=r"schedule ratio is 0 at steps \[2\]"):
+        FLeRM(fm, opt, stalled, probe_batches=stream(3))
+    stalled.lrs = {}  # without rates there is nothing to un-schedule: accepted
+    FLeRM(fm, opt, stalled, probe_batches=stream(3))
     other = torch.optim.Adam(fm.parameters(), lr=LR0)
     sched = torch.optim.lr_scheduler.StepLR(other, 2)
     with pytest.raises(ValueError, match="scheduler"):
