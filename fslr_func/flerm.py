@@ -93,7 +93,7 @@ from torch import Tensor
 from . import policies
 from .functional import Inputs
 from .record import FSLRRecord
-from .recorder import ProbeFeed, ProbePlan
+from .recorder import ProbeFeed, ProbePlan, grouping_meta
 from .transform import FSLRModule
 
 __all__ = ["FLeRM", "SetPoint"]
@@ -132,8 +132,8 @@ class FLeRM:
     the same gradients). Call ``scheduler.step()`` after the block, as usual.
 
     Args:
-        fm: the wrapped scaled model (:func:`fslr_func.with_fslr`); its estimator must be the
-            base record's.
+        fm: the wrapped scaled model (:func:`fslr_func.with_fslr`); its estimator and grouping
+            must be the base record's.
         optimizer: any ``torch.optim`` optimiser over ``fm``'s parameters, any param groups
             (SGD, Adam, AdamW, Adagrad, Adamax, RMSprop, sign-SGD...: any optimiser whose step
             only reads the gradients and its per-parameter state).
@@ -164,10 +164,10 @@ class FLeRM:
         lr0: :math:`\eta_0`.
 
     Raises:
-        ValueError: for a base record of another estimator or architecture (tensors named), an
-            empty record, one without a positive ``base_lr``, one with ``lrs`` and a zero
-            schedule ratio, parameters in the optimiser that are not ``fm``'s, or invalid
-            options.
+        ValueError: for a base record of another estimator, grouping (callables compared by
+            qualified name) or architecture (tensors named), an empty record, one without a
+            positive ``base_lr``, one with ``lrs`` and a zero schedule ratio, parameters in the
+            optimiser that are not ``fm``'s, or invalid options.
     """
 
     def __init__(
@@ -249,6 +249,14 @@ class FLeRM:
                 f"model's wrapper uses {self.fm.estimator!r}: FSLRs of different estimators "
                 f"are not comparable (tensors {self.names[:10]}); use with_fslr(..., "
                 f"estimator={estimator!r}) or re-record the base"
+            )
+        grouping, own = base.meta.get("grouping"), grouping_meta(self.fm.grouping)
+        if grouping is not None and grouping != own:
+            raise ValueError(
+                f"the base record was measured with grouping {grouping!r} but the scaled model's "
+                f"wrapper uses {own!r}: FSLRs of tensors of rank 3 or more (conv weights) differ "
+                f"between groupings (tensors {self.names[:10]}); use the base run's grouping in "
+                "with_fslr(..., grouping=...) or re-record the base"
             )
         if self._policy is policies.identity:
             shapes = base.shapes

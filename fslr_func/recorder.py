@@ -45,11 +45,12 @@ from typing import Any
 
 import torch
 
+from .estimator import Grouping
 from .functional import Inputs
 from .record import FSLRRecord, optimizer_meta
 from .transform import FSLRModule, Measurement
 
-__all__ = ["ProbeFeed", "ProbePlan", "Recorder"]
+__all__ = ["ProbeFeed", "ProbePlan", "Recorder", "grouping_meta"]
 
 _STATE_VERSION = 1
 
@@ -145,6 +146,24 @@ class ProbeFeed:
         return list(itertools.islice(self._it, n))
 
 
+def grouping_meta(grouping: Grouping) -> str:
+    """``grouping`` as stored in ``record.meta["grouping"]``: a name as is, a callable marked.
+
+    A callable grouping cannot be saved, so it is stored as ``"callable:"`` and its qualified
+    name; FLeRM compares groupings by these strings.
+
+    Example:
+        >>> def by_kernel(name, shape):
+        ...     return None
+        >>> grouping_meta("auto"), grouping_meta(by_kernel)
+        ('auto', 'callable:by_kernel')
+    """
+    if isinstance(grouping, str):
+        return grouping
+    name = getattr(grouping, "__qualname__", None) or type(grouping).__qualname__
+    return f"callable:{name}"
+
+
 def schedule_ratio(
     optimizer: torch.optim.Optimizer,
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
@@ -186,8 +205,9 @@ class Recorder:
             ``get_last_lr()[0] / base_lrs[0]``; without one, ``sched(t) = lr(t) / base_lr``
             for the first param group.
         meta: extra JSON-able metadata (e.g. ``{"seed": 0, "width": 128}``), merged over the
-            recorded ``estimator``, ``beta``, ``samples``, ``shapes``, ``model``, ``every``,
-            ``warmup_samples`` and ``start_step``.
+            recorded ``estimator``, ``grouping`` (:func:`grouping_meta`), ``beta``,
+            ``samples``, ``shapes``, ``model``, ``every``, ``warmup_samples`` and
+            ``start_step``.
 
     Attributes:
         record: the :class:`~fslr_func.record.FSLRRecord` being filled.
@@ -215,6 +235,7 @@ class Recorder:
         self.record = FSLRRecord(
             meta={
                 "estimator": fm.estimator,
+                "grouping": grouping_meta(fm.grouping),
                 "beta": fm.beta,
                 "samples": fm.samples,
                 "shapes": shapes,

@@ -19,7 +19,7 @@ import fslr_func as ff
 from fslr_func.experiments import ResMLP, train
 from fslr_func.flerm import FLeRM
 from fslr_func.record import FSLRRecord
-from fslr_func.recorder import Recorder
+from fslr_func.recorder import Recorder, grouping_meta
 
 D_IN, CLASSES, BATCH = 16, 4, 32
 LR0 = 1e-2
@@ -443,6 +443,27 @@ def test_record_of_another_architecture_or_estimator_is_an_error(base: FSLRRecor
     opt = torch.optim.Adam(fm.parameters(), lr=LR0)
     with pytest.raises(ValueError, match=r"estimator 'kron'.*'input.weight'"):
         FLeRM(fm, opt, base, probe_batches=stream(3))
+
+
+def test_record_of_another_grouping_is_an_error(base: FSLRRecord) -> None:
+    def by_kernel(name: str, shape: tuple[int, ...]) -> None:
+        return None
+
+    assert base.meta["grouping"] == "auto"
+    fm = build(grouping="dims")
+    opt = torch.optim.Adam(fm.parameters(), lr=LR0)
+    with pytest.raises(ValueError, match=r"grouping 'auto'.*uses 'dims'.*'input.weight'"):
+        FLeRM(fm, opt, base, probe_batches=stream(3))
+    old = FSLRRecord.from_dict(base.to_dict())
+    del old.meta["grouping"]  # a record from before groupings were recorded: accepted
+    FLeRM(fm, opt, old, probe_batches=stream(3))
+    custom = FSLRRecord.from_dict(base.to_dict())
+    custom.meta["grouping"] = grouping_meta(by_kernel)
+    with pytest.raises(ValueError, match=r"grouping 'callable:.*by_kernel' .*uses 'dims'"):
+        FLeRM(fm, opt, custom, probe_batches=stream(3))
+    fm = build(grouping=by_kernel)
+    opt = torch.optim.Adam(fm.parameters(), lr=LR0)
+    FLeRM(fm, opt, custom, probe_batches=stream(3))  # callables compare by qualified name
 
 
 def test_invalid_setups_are_errors(base: FSLRRecord) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,7 +12,8 @@ import torch
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.recorder import ProbeFeed, ProbePlan, Recorder
+from fslr_func.record import FSLRRecord
+from fslr_func.recorder import ProbeFeed, ProbePlan, Recorder, grouping_meta
 from fslr_func.transform import Measurement
 
 
@@ -114,7 +116,29 @@ def test_record_rows_metadata_and_schedule_ratio() -> None:
     assert r.meta["base_lr"] == 0.02 and r.meta["optimizer"] == "Adam"
     assert r.meta["estimator"] == "kron" and r.meta["samples"] == 4 and r.meta["seed"] == 3
     assert r.meta["schedule"] == "StepLR" and r.shapes["0.weight"] == (10, 6)
+    assert r.meta["grouping"] == "auto"
     assert all(v > 0 and math.isfinite(v) for vals in r.fslr.values() for v in vals)
+
+
+def test_grouping_is_recorded_by_name(tmp_path: Path) -> None:
+    def by_kernel(name: str, shape: tuple[int, ...]) -> None:
+        return None
+
+    net = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(3 * 4, 2)).double()
+    for grouping, stored in [
+        ("dims", "dims"),
+        (by_kernel, "callable:test_grouping_is_recorded_by_name.<locals>.by_kernel"),
+    ]:
+        assert grouping_meta(grouping) == stored
+        fm = ff.with_fslr(net, samples=2, seed=1, grouping=grouping)
+        rec = Recorder(fm, iter([torch.randn(4, 2, 6, dtype=torch.float64)]), warmup_samples=2)
+        opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+        fm(torch.randn(4, 2, 6, dtype=torch.float64)).square().mean().backward()
+        with rec.step(opt):
+            opt.step()
+        assert rec.record.meta["grouping"] == stored
+        rec.record.save(tmp_path / "rec.json")  # stays JSON-able
+        assert FSLRRecord.load(tmp_path / "rec.json").meta["grouping"] == stored
 
 
 def test_ratio_without_scheduler_is_relative_to_base_lr() -> None:
