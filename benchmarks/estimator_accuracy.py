@@ -22,7 +22,6 @@ import torch
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.estimator import fslr_from_log, log_sq_norm, mean_log_stats
 from fslr_func.experiments import ResMLP, Transformer, batches, lm_batches, mnist1d, pydoc_text
 from fslr_func.probe import probe
 
@@ -97,11 +96,8 @@ def measure(probes: int, samples: int) -> dict[tuple[str, str, str, str], list[f
             g = torch.Generator().manual_seed(0)
             for _ in range(probes):
                 result = probe(model, x, delta, samples=samples, omega=omega, generator=g)
-                for n, log_stats in result.log_stats.items():
-                    log_e = mean_log_stats(log_stats)
-                    for est in ff.ESTIMATORS:
-                        role = result.readout.get(n)
-                        value = fslr_from_log(log_sq_norm(log_e, est, role))  # type: ignore[arg-type]
+                for est in ff.ESTIMATORS:
+                    for n, value in result.fslr(est).items():
                         key = (model_name, kind_of(n), est, omega)
                         ratios[key].append(float(value / truth[n]))
     return ratios

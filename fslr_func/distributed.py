@@ -61,10 +61,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from .estimator import (
     Grouping,
     check_estimator,
-    fslr_from_log,
-    log_sq_norm,
     log_statistics,
-    mean_log_stats,
 )
 from .functional import (
     Inputs,
@@ -350,12 +347,7 @@ def estimate(
         forward_seed=forward_seed,
         omega_draw=omega_draw,
     )
-    out = {}
-    for name, ls in result.log_stats.items():
-        role = result.readout.get(name)
-        log_sq = log_sq_norm(mean_log_stats(ls), estimator, role)  # type: ignore[arg-type]
-        out[name] = fslr_from_log(log_sq)
-    return out
+    return result.fslr(estimator)
 
 
 class DistributedFSLRModule(FSLRModule):

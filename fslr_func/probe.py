@@ -90,6 +90,14 @@ class ProbeResult:
     num_outputs: int
     strategy: str
 
+    def fslr(self, estimator: str = "kron") -> dict[str, Tensor]:
+        """One-probe FSLR per tensor: the square root of the estimator on the sample means."""
+        check_estimator(estimator)
+        return {
+            n: fslr_from_log(log_sq_norm(mean_log_stats(ls), estimator, self.readout.get(n)))  # type: ignore[arg-type]
+            for n, ls in self.log_stats.items()
+        }
+
 
 def draw_omega(
     num: int,
@@ -470,9 +478,4 @@ def estimate(
         grouping=grouping,
         forward_seed=forward_seed,
     )
-    out = {}
-    for name, ls in result.log_stats.items():
-        role = result.readout.get(name)
-        log_sq = log_sq_norm(mean_log_stats(ls), estimator, role)  # type: ignore[arg-type]
-        out[name] = fslr_from_log(log_sq)
-    return out
+    return result.fslr(estimator)
