@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -29,13 +28,9 @@ from fslr_func.probe import probe
 
 
 @pytest.fixture(autouse=True)
-def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """Forget which fallbacks have already warned, and run single-threaded."""
+def fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Forget which fallbacks have already warned."""
     monkeypatch.setattr(probe_module, "_warned", set())
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,15 +26,6 @@ LR0 = 1e-2
 Controller = Recorder | FLeRM
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """These models are tiny: one thread is faster, above all on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class SignSGD(torch.optim.Optimizer):
     """Sign-SGD with momentum (Signum): ``W -= lr * sign(m)``, ``m = mu m + (1 - mu) g``."""
 

@@ -9,7 +9,6 @@ the default are in ``docs/grouping.md`` (``benchmarks/conv_grouping.py``).
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -21,14 +20,6 @@ from torch.func import functional_call
 import fslr_func as ff
 from fslr_func.estimator import GROUPINGS, grouped_shape, log_statistics
 from fslr_func.probe import draw_omega, probe
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 class ConvNet(nn.Module):

@@ -35,14 +35,6 @@ peft = pytest.importorskip("peft")
 VOCAB = 64
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
 def logits(out: Any) -> Tensor:
     return out.logits
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,16 +27,6 @@ from torch.nn.utils import parametrizations, parametrize
 
 import fslr_func as ff
 from fslr_func.probe import draw_omega, probe
-
-
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    # On a shared 2-core machine a second intra-op thread makes small convs ~50x slower.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
 
 # ---------------------------------------------------------------------------------------------
 # Models

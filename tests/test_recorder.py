@@ -17,15 +17,6 @@ from fslr_func.recorder import ProbeFeed, ProbePlan, Recorder, grouping_meta
 from fslr_func.transform import Measurement
 
 
-@pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    """These models are tiny: one thread is faster, above all on a shared machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def model(seed: int = 0) -> ff.FSLRModule:
     torch.manual_seed(seed)
     net = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).double()
