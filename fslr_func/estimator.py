@@ -123,13 +123,14 @@ def log_statistics(z: Tensor) -> Tensor:
         tensor([ 30.,  52.,  58., 100.], dtype=torch.float64)
     """
     z = z.to(_stat_dtype(z.dtype))
-    scale = z.detach().abs().amax()
+    scale = torch.linalg.vector_norm(z.detach(), ord=math.inf)  # max |Z|, one pass
     # Where Z is identically zero, divide by 1 instead of 0: every statistic is then 0 -> -inf.
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-    u = z / safe
-    parts = [u.square().sum()]
+    u = z * safe.reciprocal()
+    flat = u.reshape(-1)
+    parts = [torch.dot(flat, flat)]
     parts += [u.sum(d).square().sum() for d in range(u.dim())]
-    parts.append(u.sum().square())
+    parts.append(flat.sum().square())
     stats = torch.stack(parts).to(torch.float64)
     return stats.log() + 2.0 * safe.to(torch.float64).log()
 
