@@ -8,9 +8,9 @@ every omega, and each sample is reduced at once to the ``D + 2`` log statistics 
 per-sample function. With ``strategy="vmap"`` the samples go through :func:`torch.func.vmap` in
 chunks of ``chunk_size`` (peak memory grows with the chunk, not with ``S``); ``"loop"`` applies
 ``vjp_fn`` once per sample; ``"autograd"`` uses plain ``torch.autograd.grad`` for models that
-torch.func cannot trace. ``"auto"`` times both on the first chunk (the first sample by loop,
-the rest by vmap: on CPU vmap wins on small models, where per-sample dispatch dominates, and
-loses on large ones and conv nets) and keeps the faster; it also falls back, with one warning,
+torch.func cannot trace. ``"auto"`` times both on the first chunk (one sample by loop, a few
+by vmap: on CPU vmap wins on small models, where per-sample dispatch dominates, and loses on
+large ones and conv nets) and keeps the faster for the rest; it also falls back, with one warning,
 when a path fails. :func:`prepare_vjp` and :meth:`VjpSetup.map_samples` are shared with the
 data-parallel probe (:mod:`fslr_func.distributed`).
 
@@ -142,6 +142,8 @@ def check_forward_seed(seed: int | None) -> None:
 
 
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
+TIMED_VMAP_ROWS = 3
+"""Samples vmapped while ``strategy="auto"`` times vmap against the loop on a first chunk."""
 SampleFn = Callable[[Tensor], dict[str, Tensor]]
 
 
@@ -211,23 +213,28 @@ class VjpSetup:
         """``fn`` applied to every row of ``omegas``, results stacked along a new dim 0.
 
         ``"vmap"`` batches the rows through :func:`torch.func.vmap`; ``"loop"`` and
-        ``"autograd"`` call ``fn`` row by row. ``"auto"`` times the two on the first call (the
-        first row by loop, the others by vmap, so no row is computed twice) and keeps the
-        faster per row; a vmap that fails falls back to the loop with one warning. The
-        choice made is left in :attr:`strategy` for later calls and probes.
+        ``"autograd"`` call ``fn`` row by row. ``"auto"`` times the two on the first call
+        (row 0 by loop, the next :data:`TIMED_VMAP_ROWS` rows by vmap, so no row is computed
+        twice), keeps the faster per row and runs the remaining rows with it; a vmap that
+        fails falls back to the loop with one warning. The choice made is left in
+        :attr:`strategy` for later calls and probes.
         """
         if self.strategy == "auto":
             if len(omegas) < 2:
                 return self._loop(fn, omegas)
             start = time.perf_counter()
-            first = self._loop(fn, omegas[:1])
+            parts = [self._loop(fn, omegas[:1])]
             per_row_loop = time.perf_counter() - start
+            timed = omegas[1 : 1 + TIMED_VMAP_ROWS]
             start = time.perf_counter()
-            rest = self._vmap(fn, omegas[1:])
+            parts.append(self._vmap(fn, timed))
             if self.strategy == "auto":  # vmap worked: keep the faster path
-                per_row_vmap = (time.perf_counter() - start) / (len(omegas) - 1)
+                per_row_vmap = (time.perf_counter() - start) / len(timed)
                 self.strategy = "vmap" if per_row_vmap < per_row_loop else "loop"
-            return {n: torch.cat([first[n], rest[n]]) for n in first}
+            rest = omegas[1 + len(timed) :]
+            if len(rest):
+                parts.append(self.map_samples(fn, rest))
+            return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
         if self.strategy == "vmap":
             return self._vmap(fn, omegas)
         return self._loop(fn, omegas)
