@@ -369,7 +369,9 @@ def probe(
             step); defaults to the module's current parameters. Partial dicts are fine.
         samples: number ``S`` of omega samples.
         omega: ``"gaussian"`` or ``"rademacher"``.
-        generator: draws omega; a seeded generator reproduces the result exactly.
+        generator: draws omega; a seeded generator reproduces the result (bit for bit with
+            a fixed ``strategy``; ``"auto"`` may pick vmap or the loop from run to run, which
+            agree to float rounding).
         output_fn: maps the model output to the tensor whose movement is measured.
         readout: ``"auto"`` (detect), a module name, or ``None`` (no readout variants).
         chunk_size: samples per vmap call (peak memory grows with it); ``None``: all at once.
