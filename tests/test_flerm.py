@@ -488,7 +488,8 @@ def test_invalid_setups_are_errors(base: FSLRRecord) -> None:
 
 
 def make_run(base: FSLRRecord, seed: int) -> tuple[Any, ...]:
-    fm = build(24, seed=seed, dtype=torch.float64, samples=4)
+    # A pinned strategy: "auto" decides by timing, and vmap and the loop differ in rounding.
+    fm = build(24, seed=seed, dtype=torch.float64, samples=4, strategy="loop")
     opt = torch.optim.Adam(fm.parameters(), lr=LR0)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=10)
     flerm = FLeRM(

@@ -107,6 +107,7 @@ def test_grouping_changes_only_kron_of_tensors_of_rank_three_or_more() -> None:
             estimator=estimator,
             grouping=grouping,
             generator=torch.Generator().manual_seed(0),
+            strategy="loop",  # bit-for-bit comparisons need a pinned strategy
         )
 
     for estimator in ff.ESTIMATORS:

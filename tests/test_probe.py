@@ -241,12 +241,22 @@ def test_clear_errors_for_bad_input():
         ff.estimate(model, x, delta, estimator="diag")
 
 
-def test_a_seeded_generator_reproduces_the_estimate():
+@pytest.mark.parametrize("strategy", ["loop", "vmap"])
+def test_a_seeded_generator_reproduces_the_estimate_bit_for_bit(strategy):
     model, x = MLP(), torch.randn(3, 5)
     delta = random_delta(model)
-    a = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(5))
-    b = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(5))
+
+    def run(strategy):
+        return ff.estimate(
+            model, x, delta, generator=torch.Generator().manual_seed(5), strategy=strategy
+        )
+
+    a, b = run(strategy), run(strategy)
     assert all(torch.equal(a[n], b[n]) for n in a)
+    # "auto" picks one of the two by timing: the same numbers up to float rounding.
+    auto = run("auto")
+    for n in a:
+        torch.testing.assert_close(auto[n], a[n], rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("chunk_size", [None, 2])
