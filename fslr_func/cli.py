@@ -183,6 +183,13 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         {"type": _positive_int, "help": "base runs record FSLRs every EVERY steps"},
     ),
     "modes": ("--modes", {"type": _modes, "help": "which modes to run, comma-separated"}),
+    "strategy": (
+        "--strategy",
+        {
+            "choices": ("vmap", "loop", "autograd", "auto"),
+            "help": "probe strategy (pinned for reproducible sweeps; auto decides by timing)",
+        },
+    ),
     "flerm_mode": (
         "--flerm-mode",
         {

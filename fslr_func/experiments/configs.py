@@ -31,6 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fslr_func.probe import STRATEGIES
+
 __all__ = [
     "AXES",
     "DATA",
@@ -142,6 +144,10 @@ class SweepConfig:
             the EMA warm-up) or ``"periodic"`` (and again every ``every`` steps, matching the
             base record over time).
         modes: which of ``"standard"`` and ``"flerm"`` to run.
+        strategy: the probe strategy of every run (:func:`fslr_func.with_fslr`). Pinned, not
+            ``"auto"``: ``"auto"`` decides by timing and vmap and the loop differ in float
+            rounding, while a sweep must be reproducible (FLeRM at the base scale reproduces
+            the standard run exactly).
     """
 
     model: str = "resmlp"
@@ -163,6 +169,7 @@ class SweepConfig:
     every: int = 10
     flerm_mode: str = "static"
     modes: tuple[str, ...] = MODES
+    strategy: str = "vmap"
 
     def __post_init__(self) -> None:
         # normalise sequences to sorted/ordered tuples of floats, so equal configs compare equal
@@ -265,6 +272,11 @@ class SweepConfig:
                 "data",
                 f"model {self.model!r} trains on {' or '.join(allowed)}, got {self.data!r}",
             )
+        need(
+            self.strategy in STRATEGIES,
+            "strategy",
+            f"must be one of {', '.join(STRATEGIES)}, got {self.strategy!r}",
+        )
         for name in ("steps", "seeds", "batch_size", "width", "depth", "samples", "every"):
             value = getattr(self, name)
             need(

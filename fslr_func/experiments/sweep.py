@@ -313,7 +313,13 @@ def execute(
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
     model = task.build(spec.scale, spec.seed)
-    fm = with_fslr(model, samples=config.samples, seed=spec.seed, output_fn=task.output_fn)
+    fm = with_fslr(
+        model,
+        samples=config.samples,
+        seed=spec.seed,
+        output_fn=task.output_fn,
+        strategy=config.strategy,
+    )
     opt = torch.optim.Adam(fm.parameters(), lr=spec.lr)
     probes = task.probe_batches(spec.seed)
     around: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None
