@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from .atomic import write_json
 from .experiments.configs import AXES, DATA, DEMO, MODELS, MODES, ConfigError, SweepConfig
 
 __all__ = ["build_parser", "main", "parse_lrs"]
@@ -345,9 +346,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
 
 
 def _write_summary(path: Path, summary: dict[str, Any]) -> None:
-    from .experiments.sweep import write_json
-
-    write_json(path, summary)
+    write_json(path, summary, parents=True)
 
 
 def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -50,6 +50,8 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, SupportsFloat, TypeAlias, cast
 
+from .names import BLOCK_PATTERN, compile_block_pattern, short_list
+
 __all__ = [
     "DEFAULT_PATTERN",
     "POLICIES",
@@ -63,7 +65,7 @@ __all__ = [
     "share_blocks",
 ]
 
-DEFAULT_PATTERN = r"(?:^|\.)(?:blocks|layers|layer|h|block)\.(\d+)\."
+DEFAULT_PATTERN = BLOCK_PATTERN
 """Default block regex: group 1 is the block index (``blocks.3.``, ``layers.0.``, ``h.11.``)."""
 
 
@@ -83,17 +85,10 @@ class Policy(Protocol):
         ...
 
 
-def _short(names: Iterable[str], limit: int = 10) -> str:
-    names = list(names)
-    shown = ", ".join(repr(n) for n in names[:limit])
-    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
-    return f"[{shown}{more}]"
-
-
 def _check_unique(scaled: Sequence[str]) -> None:
     dup = [n for n, c in Counter(scaled).items() if c > 1]
     if dup:
-        raise ValueError(f"scaled tensor names must be unique; repeated: {_short(dup)}")
+        raise ValueError(f"scaled tensor names must be unique; repeated: {short_list(dup)}")
 
 
 def _check_total(total: float) -> float:
@@ -138,8 +133,8 @@ def identity(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, f
     if missing or extra:
         raise ValueError(
             "identity policy: the base record and the scaled model have different tensors: "
-            f"scaled tensors missing from the base record: {_short(missing)}; "
-            f"base tensors absent from the scaled model: {_short(extra)}. Is the record from "
+            f"scaled tensors missing from the base record: {short_list(missing)}; "
+            f"base tensors absent from the scaled model: {short_list(extra)}. Is the record from "
             "another architecture? For depth scaling use policy='share_blocks' or a custom "
             "callable."
         )
@@ -199,11 +194,12 @@ def _share(
     extra_plain = [n for n in b.plain if n not in scaled_plain]
     if missing_plain:
         problems.append(
-            f"scaled tensors outside blocks missing from the base record: {_short(missing_plain)}"
+            "scaled tensors outside blocks missing from the base record: "
+            f"{short_list(missing_plain)}"
         )
     if extra_plain:
         problems.append(
-            f"base tensors outside blocks absent from the scaled model: {_short(extra_plain)}"
+            f"base tensors outside blocks absent from the scaled model: {short_list(extra_plain)}"
         )
     missing_roles = [f"{_role(*r)} (e.g. {n!r})" for r, n in s.roles.items() if r not in b.roles]
     extra_roles = [f"{_role(*r)} (e.g. {n!r})" for r, n in b.roles.items() if r not in s.roles]
@@ -289,25 +285,13 @@ def share_blocks(pattern: str | re.Pattern[str] = DEFAULT_PATTERN) -> Policy:
         >>> p(base, ["layers.0.w"])  # B=2, L=1: the sum
         {'layers.0.w': 0.8999999999999999}
     """
-    rx = _compile(pattern)
+    rx = compile_block_pattern(pattern)
     name = f"share_blocks(pattern={rx.pattern!r})"
 
     def policy(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
         return _share(base, scaled, rx, name)
 
     return _named(policy, name)
-
-
-def _compile(pattern: str | re.Pattern[str]) -> re.Pattern[str]:
-    try:
-        rx = re.compile(pattern)
-    except re.error as err:
-        raise ValueError(f"invalid block pattern {pattern!r}: {err}") from err
-    if rx.groups < 1:
-        raise ValueError(
-            f"block pattern {rx.pattern!r} has no group: group 1 must capture the block index"
-        )
-    return rx
 
 
 # ---------------------------------------------------------------------------------- ablations
@@ -328,7 +312,7 @@ def equal(total: float = 1.0, *, pattern: str | re.Pattern[str] = DEFAULT_PATTER
         {'emb': 0.25, 'blocks.0.w': 0.125, 'blocks.1.w': 0.125, 'blocks.2.w': 0.125, 'blocks.3.w': 0.125, 'head': 0.25}
     """  # noqa: E501
     t = _check_total(total)
-    rx = _compile(pattern)
+    rx = compile_block_pattern(pattern)
     name = f"equal(total={t!r}, pattern={rx.pattern!r})"
 
     def policy(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
@@ -459,7 +443,7 @@ def apply(
     if missing or extra:
         raise ValueError(
             f"{who} returned wrong tensor names: scaled tensors without a target: "
-            f"{_short(missing)}; names not in the scaled model: {_short(extra)}"
+            f"{short_list(missing)}; names not in the scaled model: {short_list(extra)}"
         )
     out: dict[str, float] = {}
     bad: list[str] = []

@@ -32,7 +32,6 @@ Example:
 from __future__ import annotations
 
 import bisect
-import contextlib
 import copy
 import importlib.metadata
 import json
@@ -40,10 +39,12 @@ import math
 import numbers
 import os
 import sys
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
+
+from .atomic import atomic_write_text
+from .names import short_list
 
 __all__ = ["FORMAT", "META_KEYS", "VERSION", "FSLRRecord", "optimizer_meta"]
 
@@ -93,14 +94,6 @@ def _default_meta() -> dict[str, Any]:
         "library_version": _library_version(),
         "schedule": None,
     }
-
-
-def _short(names: Iterable[str], limit: int = 10) -> str:
-    """``['a', 'b', ... (N more)]`` for error messages."""
-    names = list(names)
-    shown = ", ".join(repr(n) for n in names[:limit])
-    more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
-    return f"[{shown}{more}]"
 
 
 def _is_int(x: object) -> bool:
@@ -405,8 +398,8 @@ class FSLRRecord:
             if set(rec.fslr) != set(first.fslr):
                 raise ValueError(
                     f"{where}: different tensors: only in record 0: "
-                    f"{_short(n for n in first.fslr if n not in rec.fslr)}; only in record {k}: "
-                    f"{_short(n for n in rec.fslr if n not in first.fslr)}"
+                    f"{short_list(n for n in first.fslr if n not in rec.fslr)}; "
+                    f"only in record {k}: {short_list(n for n in rec.fslr if n not in first.fslr)}"
                 )
             if rec.steps != first.steps:
                 only0 = sorted(set(first.steps) - set(rec.steps))
@@ -422,12 +415,12 @@ class FSLRRecord:
                     for n in set(rec.shapes) | set(first.shapes)
                     if rec.shapes.get(n) != first.shapes.get(n)
                 )
-                raise ValueError(f"{where}: different shapes for tensors {_short(diff)}")
+                raise ValueError(f"{where}: different shapes for tensors {short_list(diff)}")
             if set(rec.lrs) != set(first.lrs):
                 raise ValueError(
                     f"{where}: different lrs tensors: only in record 0: "
-                    f"{_short(n for n in first.lrs if n not in rec.lrs)}; only in record {k}: "
-                    f"{_short(n for n in rec.lrs if n not in first.lrs)}"
+                    f"{short_list(n for n in first.lrs if n not in rec.lrs)}; "
+                    f"only in record {k}: {short_list(n for n in rec.lrs if n not in first.lrs)}"
                 )
             lr0, lrk = first.meta.get("base_lr"), rec.meta.get("base_lr")
             if lr0 is not None and lrk is not None and lr0 != lrk:
@@ -528,28 +521,7 @@ class FSLRRecord:
                 f"cannot save the record: meta must be JSON-able (str, numbers, bool, None, "
                 f"lists, dicts with str keys): {err}"
             ) from err
-        path = os.fspath(path)
-        directory = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(
-            dir=directory, prefix=f".{os.path.basename(path)}.", suffix=".tmp"
-        )
-        try:
-            try:
-                mode = os.stat(path).st_mode & 0o777
-            except FileNotFoundError:
-                mode = 0o644
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            os.chmod(tmp, mode)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
-            raise
-        _fsync_dir(directory)
+        atomic_write_text(path, text + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> FSLRRecord:
@@ -578,20 +550,6 @@ def _check_names(have: Mapping[str, object], given: Mapping[str, object], what: 
     extra = [n for n in given if n not in have]
     if missing or extra:
         raise ValueError(
-            f"{what} names differ from the recorded ones: missing {_short(missing)}, "
-            f"unexpected {_short(extra)}"
+            f"{what} names differ from the recorded ones: missing {short_list(missing)}, "
+            f"unexpected {short_list(extra)}"
         )
-
-
-def _fsync_dir(directory: str) -> None:
-    """Make the rename durable (best effort: not every platform can open a directory)."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -15,36 +15,20 @@ depth policies can find block indices with the regex :data:`BLOCK_RE`.
 from __future__ import annotations
 
 import math
-import re
 from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from fslr_func.names import BLOCK_PATTERN, block_index, compile_block_pattern
+
 __all__ = ["BLOCK_RE", "ResMLP", "Transformer", "block_index", "kaiming_normal_"]
 
 #: Finds the residual-block index in a parameter name, e.g. ``blocks.3.linear.weight`` -> 3.
-BLOCK_RE = re.compile(r"blocks\.(\d+)\.")
+BLOCK_RE = compile_block_pattern(BLOCK_PATTERN)
 
 NormType = Literal["prenorm", "postnorm", "prenormpostmod"]
-
-
-def block_index(name: str) -> int | None:
-    """Residual-block index of a parameter name, or ``None`` outside the blocks.
-
-    Args:
-        name: a ``named_parameters()`` name.
-
-    Returns:
-        The integer after ``blocks.``, or ``None`` (embeddings, input and readout layers).
-
-    Example:
-        >>> block_index("blocks.12.attn.q.weight"), block_index("readout.weight")
-        (12, None)
-    """
-    match = BLOCK_RE.search(name)
-    return int(match.group(1)) if match else None
 
 
 @torch.no_grad()

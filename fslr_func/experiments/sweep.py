@@ -66,7 +66,6 @@ import json
 import math
 import multiprocessing
 import os
-import tempfile
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -78,6 +77,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..atomic import write_json
 from ..flerm import FLeRM
 from ..functional import Inputs, OutputFn
 from ..policies import Policy
@@ -101,7 +101,6 @@ __all__ = [
     "mean_record",
     "run_sweep",
     "summarise",
-    "write_json",
 ]
 
 RUN_FORMAT = "fslr_func.sweep.run"
@@ -386,26 +385,6 @@ def execute(
 
 
 # ---------------------------------------------------------------------------------- cache
-
-
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    """Write JSON atomically: a temporary file in the same folder, then :func:`os.replace`.
-
-    A crash leaves the old file or the new one, never a truncated one; the document must be
-    strict JSON (no NaN or infinity).
-    """
-    path = Path(path)
-    text = json.dumps(data, allow_nan=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
 
 
 def _read_json(path: Path) -> Any:
@@ -706,7 +685,7 @@ def run_sweep(
             rec.save(_record_path(out, spec.lr, spec.seed))
             missing_records.discard((spec.lr, spec.seed))
         if spec.key in todo_keys:
-            write_json(_run_path(out, spec), result)
+            write_json(_run_path(out, spec), result, parents=True)
             runs[spec.key] = result
         executed.append(spec.key)
         progress.update(spec.key)
@@ -779,7 +758,7 @@ def run_sweep(
     summary["task"] = task_name
     summary["wall_seconds"] = round(time.perf_counter() - t0, 2)
     summary["executed_runs"] = len(executed)
-    write_json(out / "summary.json", summary)
+    write_json(out / "summary.json", summary, parents=True)
     return SweepResult(out, summary, runs, executed, time.perf_counter() - t0)
 
 
