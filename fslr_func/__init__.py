@@ -17,10 +17,12 @@ from .distributed import DistributedFSLRModule
 from .estimator import ESTIMATORS
 from .exact import exact
 from .flerm import FLeRM, SetPoint
-from .probe import OMEGAS, estimate
+from .options import OMEGAS, ProbeOptions
+from .probe import estimate
 from .record import FSLRRecord
 from .recorder import Recorder
-from .transform import FSLRModule, Measurement, with_fslr
+from .transform import FSLRModule, Measurement
+from .wrap import with_fslr
 
 __version__ = "0.1.0"
 
@@ -32,6 +34,7 @@ __all__ = [
     "FSLRModule",
     "FSLRRecord",
     "Measurement",
+    "ProbeOptions",
     "Recorder",
     "SetPoint",
     "__version__",

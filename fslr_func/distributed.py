@@ -29,9 +29,8 @@ Costs per probe: one ``all_gather`` of three integers, then one ``all_reduce`` p
 ``chunk_size`` samples (per dtype) of ``chunk_size x P`` elements, ``P`` the number of probed
 parameter elements: the gradient-sized all-reduce DDP performs at every step, once per sample.
 
-For sharded parameters (FSDP2) :func:`shard_partials` / :func:`shard_log_statistics` compute the
-statistics of a ``Z`` sharded along one dim with one small all-reduce; see
-``docs/distributed.md`` for the design of the full sharded probe.
+The probe here is the core probe (:func:`fslr_func.probe.run_probe`, the one sampling loop)
+with a :class:`DataParallelReduction` hook: every fix to the core holds here too.
 
 Example:
     Under ``torchrun --nproc-per-node=2 train.py``, with the process group initialised:
@@ -48,31 +47,49 @@ Example:
 
 from __future__ import annotations
 
-import math
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.func import vmap
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
-from .estimator import (
-    Grouping,
-    check_estimator,
-    log_statistics,
-)
-from .functional import (
-    Inputs,
-    OutputFn,
-)
-from .probe import ProbeResult, _check_options, draw_omega, prepare_vjp
+from .estimator import Estimator, check_estimator
+from .functional import Inputs
+from .options import ProbeOptions
+from .probe import OmegaSlice, ProbeResult, run_probe
+from .process_group import ProcessGroup, broadcast_seed, collective_device, rank_and_size
 from .transform import FSLRModule
 
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from typing import Unpack
+    else:
+        from typing_extensions import Unpack
+
+    from .options import ProbeKwargs
+
+__all__ = [
+    "OMEGA_DRAWS",
+    "DataParallelReduction",
+    "DistributedFSLRModule",
+    "OmegaDraw",
+    "all_reduce_gradients",
+    "broadcast_seed",
+    "collective_device",
+    "estimate",
+    "is_data_parallel",
+    "omega_span",
+    "probe",
+    "unwrap",
+]
+
 OmegaDraw = Literal["global", "local"]
-OMEGA_DRAWS: tuple[str, ...] = ("global", "local")
-Group = Any  # a torch.distributed.ProcessGroup, or None for the default group
+"""How ranks draw omega: all of it from one shared generator, or each rank its own slice."""
+OMEGA_DRAWS: tuple[str, ...] = get_args(OmegaDraw)
 
 
 def is_data_parallel(model: nn.Module) -> bool:
@@ -117,38 +134,14 @@ def omega_span(sizes: Sequence[int], rank: int) -> tuple[int, int]:
     return int(sum(sizes[:rank])), int(sum(sizes))
 
 
-def _rank_and_size(group: Group) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError(
-            "torch.distributed is not initialised: call torch.distributed.init_process_group "
-            "first (torchrun sets up its environment), or use fslr_func.estimate in one process"
-        )
-    return dist.get_rank(group), dist.get_world_size(group)
-
-
-def collective_device(group: Group = None) -> torch.device:
-    """Device for small collectives: the current CUDA device under NCCL, else the CPU."""
-    if "nccl" in str(dist.get_backend(group)).lower():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def broadcast_seed(seed: int | None, group: Group = None) -> int:
-    """``seed`` of the group's first rank on every rank (drawn there from torch's RNG if None)."""
-    _rank_and_size(group)
-    if seed is None:
-        seed = int(torch.randint(0, 2**62, ()).item())
-    t = torch.tensor([seed], dtype=torch.int64, device=collective_device(group))
-    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
-    return int(t.item())
-
-
-def _gather_layout(num_outputs: int, num_params: int, samples: int, group: Group) -> list[int]:
+def _gather_layout(
+    num_outputs: int, num_params: int, samples: int, group: ProcessGroup
+) -> list[int]:
     """All ranks' output sizes; checks that all ranks probe the same tensors and samples.
 
     Every rank sees the same gathered table, so on a mismatch every rank raises (no hang).
     """
-    _, world = _rank_and_size(group)
+    _, world = rank_and_size(group)
     local = torch.tensor(
         [num_outputs, num_params, samples], dtype=torch.int64, device=collective_device(group)
     )
@@ -163,7 +156,9 @@ def _gather_layout(num_outputs: int, num_params: int, samples: int, group: Group
     return [r[0] for r in rows]
 
 
-def all_reduce_gradients(grads: Mapping[str, Tensor], group: Group = None) -> dict[str, Tensor]:
+def all_reduce_gradients(
+    grads: Mapping[str, Tensor], group: ProcessGroup = None
+) -> dict[str, Tensor]:
     """Sum over the ranks of a dict of per-sample gradients, one all-reduce per dtype.
 
     Args:
@@ -175,18 +170,69 @@ def all_reduce_gradients(grads: Mapping[str, Tensor], group: Group = None) -> di
         packs its buffer identically whatever the order of its dict.
     """
     names = sorted(grads)
-    groups: dict[torch.dtype, list[str]] = {}
+    by_dtype: dict[torch.dtype, list[str]] = {}
     for n in names:
-        groups.setdefault(grads[n].dtype, []).append(n)
+        by_dtype.setdefault(grads[n].dtype, []).append(n)
     out: dict[str, Tensor] = {}
-    for members in groups.values():
+    for members in by_dtype.values():
         lead = grads[members[0]].shape[0]
-        flat = torch.cat([grads[n].reshape(lead, -1) for n in members], dim=1)
+        flat = torch.cat([grads[n].detach().reshape(lead, -1) for n in members], dim=1)
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
         widths = [grads[n][0].numel() for n in members]
-        for n, piece in zip(members, flat.split(widths, dim=1), strict=True):
+        for n, piece in zip(members, torch.split(flat, widths, dim=1), strict=True):
             out[n] = piece.reshape(grads[n].shape)
     return {n: out[n] for n in grads}
+
+
+@dataclass(frozen=True)
+class DataParallelReduction:
+    """The :class:`~fslr_func.probe.GradientReduction` of a data-parallel probe.
+
+    Rank ``r`` probes its shard of the batch with the slice
+    ``omega[offset_r : offset_r + M_r]`` of every global omega (``omega_draw="global"``) or
+    an independent draw of ``M_r`` entries from a generator seeded per rank (``"local"``),
+    scaled by the global ``1/sqrt(M)``; the per-sample gradients are then summed over ranks.
+
+    Attributes:
+        group: the process group; ``None``: the default group.
+        omega_draw: ``"global"`` or ``"local"``.
+
+    Raises:
+        ValueError: an unknown ``omega_draw``.
+    """
+
+    group: ProcessGroup = field(default=None)
+    omega_draw: OmegaDraw = "global"
+
+    def __post_init__(self) -> None:
+        if self.omega_draw not in OMEGA_DRAWS:
+            raise ValueError(
+                f"unknown omega_draw {self.omega_draw!r}; choose one of {', '.join(OMEGA_DRAWS)}"
+            )
+
+    def omega_slice(
+        self,
+        num_outputs: int,
+        delta: Mapping[str, Tensor],
+        samples: int,
+        generator: torch.Generator | None,
+    ) -> OmegaSlice:
+        """Gather every rank's output size (checking that ranks agree) and place this rank."""
+        rank, _ = rank_and_size(self.group)
+        num_params = sum(d.numel() for d in delta.values())
+        sizes = _gather_layout(num_outputs, num_params, samples, self.group)
+        offset, total = omega_span(sizes, rank)
+        if self.omega_draw == "global":
+            return OmegaSlice(generator, total, offset, total)
+        # One draw from the shared generator (same on every rank), then a generator per rank.
+        seed = int(torch.randint(0, 2**62, (), generator=generator).item())
+        own = torch.Generator(device=generator.device if generator is not None else "cpu")
+        own.manual_seed(seed + rank)
+        return OmegaSlice(own, num_outputs, 0, total)
+
+    def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One all-reduce (sum) per dtype of the chunk's per-sample gradients."""
+        return all_reduce_gradients(grads, self.group)
 
 
 def probe(
@@ -194,18 +240,11 @@ def probe(
     inputs: Inputs,
     delta: Mapping[str, Tensor],
     *,
-    group: Group = None,
-    params: Mapping[str, Tensor] | None = None,
-    samples: int = 8,
-    omega: str = "gaussian",
+    group: ProcessGroup = None,
+    omega_draw: OmegaDraw = "global",
     generator: torch.Generator | None = None,
-    output_fn: OutputFn | None = None,
-    readout: str | None = "auto",
-    chunk_size: int | None = None,
-    strategy: str = "auto",
-    grouping: Grouping = "auto",
-    forward_seed: int | None = None,
-    omega_draw: str = "global",
+    params: Mapping[str, Tensor] | None = None,
+    **options: Unpack[ProbeKwargs],
 ) -> ProbeResult:
     r"""Data-parallel :func:`fslr_func.probe.probe`: the statistics of the global batch.
 
@@ -221,20 +260,14 @@ def probe(
             ranks' flattened outputs in rank order gives the global batch's flattened output).
         delta: parameter name -> unit-learning-rate update (the same on every rank under DDP).
         group: the process group; ``None``: the default group.
-        params: values to evaluate the gradient at; defaults to the module's parameters.
-        samples: number ``S`` of omega samples.
-        omega: ``"gaussian"`` or ``"rademacher"``.
-        generator: draws omega; seed it identically on every rank for ``omega_draw="global"``.
-        output_fn: maps the model output to the tensor whose movement is measured.
-        readout: ``"auto"``, a module name, or ``None``.
-        chunk_size: samples per vjp batch and per all-reduce; ``None``: all at once. Peak
-            memory holds ``chunk_size`` gradients (and their all-reduce buffer).
-        strategy: ``"auto"``, ``"vmap"``, ``"loop"`` or ``"autograd"`` (how the local vjps run).
-        grouping: Kronecker factors of each tensor (:func:`fslr_func.estimator.grouped_shape`).
-        forward_seed: seeds the forward's own RNG (dropout masks), as in the single process.
         omega_draw: ``"global"`` (each rank draws the full vector and keeps its slice: equal to
             the single-process probe of the concatenated batch) or ``"local"`` (each rank draws
             only its slice from a per-rank generator: cheaper, same distribution).
+        generator: draws omega; seed it identically on every rank for ``omega_draw="global"``.
+        params: values to evaluate the gradient at; defaults to the module's parameters.
+        **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`); here
+            ``chunk_size`` is also the number of samples per all-reduce, and peak memory holds
+            ``chunk_size`` gradients (and their all-reduce buffer).
 
     Returns:
         A :class:`fslr_func.probe.ProbeResult`; ``num_outputs`` is the global ``M``.
@@ -243,62 +276,18 @@ def probe(
         RuntimeError: ``torch.distributed`` is not initialised.
         ValueError: invalid options, or ranks that disagree on ``delta`` or ``samples``.
     """
-    _check_options(samples, omega, chunk_size, strategy)
-    if omega_draw not in OMEGA_DRAWS:
-        raise ValueError(f"unknown omega_draw {omega_draw!r}; choose one of {OMEGA_DRAWS}")
-    rank, _ = _rank_and_size(group)
-    setup = prepare_vjp(
+    opts = ProbeOptions(**options)
+    reduction = DataParallelReduction(group, omega_draw)
+    rank_and_size(group)
+    return run_probe(
         unwrap(model),
         inputs,
         delta,
+        opts,
+        generator=generator,
         params=params,
-        output_fn=output_fn,
-        readout=readout,
-        strategy=strategy,
-        grouping=grouping,
-        forward_seed=forward_seed,
+        reduction=reduction,
     )
-    out = setup.output
-    local = out.numel()
-    num_params = sum(d.numel() for d in delta.values())
-    offset, total = omega_span(_gather_layout(local, num_params, samples, group), rank)
-    if total == 0:
-        raise ValueError("the model output is empty on every rank: nothing to probe")
-    scale = 1.0 / math.sqrt(total)
-
-    own: torch.Generator | None = None
-    if omega_draw == "local":
-        # One draw from the shared generator (same on every rank), then a generator per rank.
-        seed = int(torch.randint(0, 2**62, (), generator=generator).item())
-        own = torch.Generator(device=generator.device if generator is not None else "cpu")
-        own.manual_seed(seed + rank)
-
-    home = generator.device if generator is not None else out.device
-
-    def draw(count: int) -> Tensor:
-        if own is not None:
-            ws = [draw_omega(local, omega, own, out.device, out.dtype) for _ in range(count)]
-        else:  # draw where the generator lives, and move only this rank's slice
-            ws = [
-                draw_omega(total, omega, generator, home, out.dtype)[offset : offset + local]
-                for _ in range(count)
-            ]
-        return torch.stack(ws).to(out.device)
-
-    def sample_grads(w: Tensor) -> dict[str, Tensor]:
-        return setup.vjp_fn(w * scale)[0]
-
-    def sample_stats(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {n: log_statistics((grads[n] * d).reshape(setup.views[n])) for n, d in delta.items()}
-
-    chunk = samples if chunk_size is None else min(chunk_size, samples)
-    rows: list[dict[str, Tensor]] = []
-    for start in range(0, samples, chunk):
-        grads = setup.map_samples(sample_grads, draw(min(chunk, samples - start)))
-        grads = all_reduce_gradients({n: grads[n].detach() for n in delta}, group)
-        rows.append(vmap(sample_stats)(grads))
-    log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
-    return ProbeResult(log_stats, setup.readout, setup.readout_module, total, setup.strategy)
 
 
 def estimate(
@@ -306,19 +295,12 @@ def estimate(
     inputs: Inputs,
     delta: Mapping[str, Tensor],
     *,
-    group: Group = None,
-    samples: int = 8,
-    estimator: str = "kron",
-    omega: str = "gaussian",
+    estimator: Estimator = "kron",
+    group: ProcessGroup = None,
+    omega_draw: OmegaDraw = "global",
     generator: torch.Generator | None = None,
-    output_fn: OutputFn | None = None,
-    readout: str | None = "auto",
-    chunk_size: int | None = None,
-    strategy: str = "auto",
     params: Mapping[str, Tensor] | None = None,
-    grouping: Grouping = "auto",
-    forward_seed: int | None = None,
-    omega_draw: str = "global",
+    **options: Unpack[ProbeKwargs],
 ) -> dict[str, Tensor]:
     """Data-parallel :func:`fslr_func.estimate`: FSLRs of the global batch, on every rank.
 
@@ -335,17 +317,10 @@ def estimate(
         inputs,
         delta,
         group=group,
-        params=params,
-        samples=samples,
-        omega=omega,
-        generator=generator,
-        output_fn=output_fn,
-        readout=readout,
-        chunk_size=chunk_size,
-        strategy=strategy,
-        grouping=grouping,
-        forward_seed=forward_seed,
         omega_draw=omega_draw,
+        generator=generator,
+        params=params,
+        **options,
     )
     return result.fslr(estimator)
 
@@ -359,36 +334,40 @@ class DistributedFSLRModule(FSLRModule):
     ``fm.ddp`` is the wrapper, and ``fm(x)`` runs the wrapper's forward (gradients stay
     synchronised). The other order works too: ``DDP(with_fslr(model, distributed=True))``.
 
-    With ``distributed=True`` every probe goes through :func:`probe` over ``group``; the omega
-    generator is seeded with rank 0's ``seed`` on every rank, so the estimates equal the
-    single-process ones on the concatenated probe batch. With ``distributed=False`` each rank
-    probes only its shard (estimates then differ across ranks).
+    With ``distributed=True`` every probe goes through the data-parallel reduction
+    (:class:`DataParallelReduction` over ``group``); the omega generator is seeded with rank
+    0's ``seed`` on every rank, so the estimates equal the single-process ones on the
+    concatenated probe batch. With ``distributed=False`` each rank probes only its shard
+    (estimates then differ across ranks).
     """
-
-    ddp: nn.Module | None
 
     def __init__(
         self,
         model: nn.Module,
         *,
         distributed: bool | None = True,
-        group: Group = None,
-        omega_draw: str = "global",
+        group: ProcessGroup = None,
+        omega_draw: OmegaDraw = "global",
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
         if distributed is None:
             distributed = isinstance(model, DistributedDataParallel)
-        if omega_draw not in OMEGA_DRAWS:
-            raise ValueError(f"unknown omega_draw {omega_draw!r}; choose one of {OMEGA_DRAWS}")
+        reduction = DataParallelReduction(group, omega_draw) if distributed else None
         if distributed:
             seed = broadcast_seed(seed, group)
-        super().__init__(unwrap(model), seed=seed, **kwargs)
-        # Not a submodule: parameters, state_dict keys and FSLR names stay the inner model's.
-        object.__setattr__(self, "ddp", model if is_data_parallel(model) else None)
+        super().__init__(unwrap(model), seed=seed, reduction=reduction, **kwargs)
+        # A plain attribute, not a submodule: parameters, state_dict keys and FSLR names stay
+        # the inner model's.
+        self._wrapper = (model,) if is_data_parallel(model) else ()
         self.distributed = bool(distributed)
         self.group = group
         self.omega_draw = omega_draw
+
+    @property
+    def ddp(self) -> nn.Module | None:
+        """The data-parallel wrapper given to :func:`fslr_func.with_fslr`, or ``None``."""
+        return self._wrapper[0] if self._wrapper else None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The data-parallel wrapper's forward (or the model's if it was not wrapped)."""
@@ -400,107 +379,3 @@ class DistributedFSLRModule(FSLRModule):
         if self.ddp is not None:
             self.ddp.train(mode)
         return self
-
-    def _probe(
-        self, inputs: Inputs, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
-    ) -> ProbeResult:
-        if not self.distributed:
-            return super()._probe(inputs, delta, params)
-        return probe(
-            self.module,
-            inputs,
-            delta,
-            group=self.group,
-            params=params,
-            omega_draw=self.omega_draw,
-            **self._probe_options(),
-        )
-
-
-def shard_partials(z_shard: Tensor, dim: int, scale: Tensor | float = 1.0) -> Tensor:
-    r"""Per-shard partial sums from which the statistics of a sharded ``Z`` are recovered.
-
-    For ``Z`` of rank ``D`` split along ``dim`` into shards (FSDP2 shards dim 0), with
-    ``U = Z / scale`` (``scale`` the same on every shard, e.g. the global ``max |Z|``):
-
-    * :math:`q_0 = \sum U^2` is a sum over elements: per-shard values add;
-    * :math:`q_d = \sum (\sum_{i_d} U)^2` for ``d != dim``: the inner sum runs inside a shard,
-      so per-shard values add;
-    * :math:`q_\text{dim}` and :math:`q_\text{full}`: the inner sum crosses shards, so the
-      partial sums :math:`\sum_{i_\text{dim}} U` (a tensor of ``numel / n_dim`` elements) are
-      summed over shards *before* squaring; :math:`\sum Z` is their sum.
-
-    The result is ``[q_0, q_d for d != dim, (partial sums over dim).flatten()]``: summing it
-    over the shards (one all-reduce) and passing it to :func:`partials_to_log_statistics` gives
-    :func:`fslr_func.estimator.log_statistics` of the full ``Z``.
-
-    Args:
-        z_shard: this shard of ``Z`` (may be empty along ``dim``).
-        dim: the sharded dim.
-        scale: divides ``Z`` before squaring (the same on every shard).
-
-    Example:
-        >>> z = torch.arange(12.0, dtype=torch.float64).reshape(4, 3) - 5
-        >>> a, b = z.tensor_split([1], dim=0)  # uneven shards along dim 0
-        >>> summed = shard_partials(a, 0) + shard_partials(b, 0)
-        >>> torch.allclose(partials_to_log_statistics(summed, 2, 0), log_statistics(z))
-        True
-    """
-    rank = z_shard.dim()
-    if rank == 0:
-        raise ValueError("a 0-dim tensor cannot be sharded")
-    dim = dim % rank
-    u = z_shard.to(torch.promote_types(z_shard.dtype, torch.float32)) / scale
-    parts = [u.square().sum().reshape(1)]
-    parts += [u.sum(d).square().sum().reshape(1) for d in range(rank) if d != dim]
-    parts.append(u.sum(dim).reshape(-1))
-    return torch.cat(parts)
-
-
-def partials_to_log_statistics(
-    summed: Tensor, ndim: int, dim: int, scale: Tensor | float = 1.0
-) -> Tensor:
-    """Log statistics of the full ``Z`` from the shard-summed :func:`shard_partials`.
-
-    Args:
-        summed: the sum over shards of :func:`shard_partials`.
-        ndim: the rank ``D`` of ``Z``.
-        dim: the sharded dim.
-        scale: the ``scale`` given to :func:`shard_partials`.
-
-    Returns:
-        float64 ``[log q_0, log q_{d=0}, ..., log q_{d=D-1}, log q_full]``, as
-        :func:`fslr_func.estimator.log_statistics`.
-    """
-    dim = dim % ndim
-    q0, others, sums = summed[0], summed[1:ndim], summed[ndim:]
-    rest = iter(others)
-    per_dim = [sums.square().sum() if d == dim else next(rest) for d in range(ndim)]
-    stats = torch.stack([q0, *per_dim, sums.sum().square()]).to(torch.float64)
-    log_scale = torch.as_tensor(scale, dtype=torch.float64).log()
-    return stats.log() + 2.0 * log_scale
-
-
-def shard_log_statistics(z_shard: Tensor, dim: int, group: Group = None) -> Tensor:
-    """:func:`fslr_func.estimator.log_statistics` of a ``Z`` sharded along ``dim`` over ranks.
-
-    Two collectives: an all-reduce (max) of ``max |Z|`` for a common scale, and one all-reduce
-    (sum) of :func:`shard_partials`, of ``D + numel(Z) / Z.shape[dim]`` elements. Every rank
-    gets the same result. Shards may be uneven or empty; the other dims must match.
-
-    Args:
-        z_shard: this rank's shard of ``Z`` for one omega sample.
-        dim: the sharded dim.
-        group: the process group.
-    """
-    _rank_and_size(group)
-    stat = torch.promote_types(z_shard.dtype, torch.float32)
-    if z_shard.numel():
-        scale = z_shard.detach().abs().amax().to(stat).reshape(1)
-    else:
-        scale = torch.zeros(1, dtype=stat, device=z_shard.device)
-    dist.all_reduce(scale, op=dist.ReduceOp.MAX, group=group)
-    safe = torch.where(scale > 0, scale, torch.ones_like(scale))[0]
-    partials = shard_partials(z_shard, dim, safe)
-    dist.all_reduce(partials, op=dist.ReduceOp.SUM, group=group)
-    return partials_to_log_statistics(partials, z_shard.dim(), dim, safe)

@@ -25,16 +25,16 @@ import torch
 from torch import Tensor, nn
 from torch.func import jvp
 
+from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
-    ModuleTensors,
     OutputFn,
     as_output_tensor,
-    check_delta,
+    evaluation_point,
     model_forward,
     substituted,
 )
-from .probe import check_forward_seed, warn_once
+from .options import check_forward_seed
 
 
 def _autograd_jvp(
@@ -102,12 +102,7 @@ def exact(
         tensor(1., dtype=torch.float64)
     """
     check_forward_seed(forward_seed)
-    tensors = ModuleTensors.of(model)
-    check_delta(delta, tensors)
-    point = dict(tensors.trainable)
-    if params is not None:
-        check_delta(params, tensors, what="params")
-        point.update({n: p.detach() for n, p in params.items()})
+    tensors, point = evaluation_point(model, delta, params)
 
     result = {}
     use_jvp = True
@@ -135,7 +130,7 @@ def exact(
                     model,
                     "exact-autograd",
                     f"forward-mode AD (torch.func.jvp) failed for {type(model).__name__} "
-                    f"({type(err).__name__}: {str(err).splitlines()[0][:200]}); exact falls "
+                    f"({first_line(err)}); exact falls "
                     f"back to a double vjp with plain autograd (same result, two backward "
                     f"passes per tensor)",
                 )

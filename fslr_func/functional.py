@@ -20,6 +20,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import functional_call
 
+from .estimator import ReadoutRole
+
 Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
 OutputFn = Callable[[Any], Tensor]
 
@@ -212,6 +214,27 @@ def check_delta(
         )
 
 
+def evaluation_point(
+    model: nn.Module, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
+) -> tuple[ModuleTensors, dict[str, Tensor]]:
+    """The module's tensors and the point to differentiate at, names checked.
+
+    The point is every trainable parameter, with ``params`` (e.g. the weights before an
+    optimiser step) substituted where given.
+
+    Raises:
+        ValueError: a name in ``delta`` or ``params`` that is not a trainable parameter, or a
+            shape that differs from the parameter's.
+    """
+    tensors = ModuleTensors.of(model)
+    check_delta(delta, tensors)
+    point = dict(tensors.trainable)
+    if params is not None:
+        check_delta(params, tensors, what="params")
+        point.update({n: p.detach() for n, p in params.items()})
+    return tensors, point
+
+
 def model_forward(
     model: nn.Module,
     tensors: Mapping[str, Tensor],
@@ -297,7 +320,7 @@ class ReadoutFinder:
 
 def readout_roles(
     model: nn.Module, module_name: str | None, trainable: Mapping[str, Tensor], num_outputs: int
-) -> dict[str, str]:
+) -> dict[str, ReadoutRole]:
     """Map the readout module's own weight/bias names to ``"weight"``/``"bias"``.
 
     Only parameters of the right shape (weight ``(K, d)``, bias ``(K,)`` with ``K`` the size
@@ -315,7 +338,7 @@ def readout_roles(
             + (f"; did you mean {close}?" if close else "")
         ) from err
     prefix = f"{module_name}." if module_name else ""
-    roles = {}
+    roles: dict[str, ReadoutRole] = {}
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     w_name, b_name = prefix + "weight", prefix + "bias"
     uses = sum(p is weight for _, p in model.named_parameters(remove_duplicate=False))

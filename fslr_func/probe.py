@@ -11,8 +11,10 @@ chunks of ``chunk_size`` (peak memory grows with the chunk, not with ``S``); ``"
 torch.func cannot trace. ``"auto"`` times both on the first chunk (one sample by loop, a few
 by vmap: on CPU vmap wins on small models, where per-sample dispatch dominates, and loses on
 large ones and conv nets) and keeps the faster for the rest; it also falls back, with one warning,
-when a path fails. :func:`prepare_vjp` and :meth:`VjpSetup.map_samples` are shared with the
-data-parallel probe (:mod:`fslr_func.distributed`).
+when a path fails. A probe whose batch is split over processes is the same loop with a
+:class:`GradientReduction` hook (:mod:`fslr_func.distributed`): it says which slice of each
+global omega this process uses and sums the per-sample gradients over the processes before
+their statistics are taken.
 
 Every omega sample is drawn on its own from ``generator``, so the result for a given seed does
 not depend on the strategy or the chunk size.
@@ -22,53 +24,58 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import time
-import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
 
 from .estimator import (
-    Grouping,
+    Estimator,
+    ReadoutRole,
     check_estimator,
-    check_grouping,
     fslr_from_log,
     grouped_shape,
     log_sq_norm,
     log_statistics,
     mean_log_stats,
 )
+from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
-    ModuleTensors,
-    OutputFn,
     ReadoutFinder,
     as_output_tensor,
-    check_delta,
+    evaluation_point,
     model_forward,
     readout_roles,
     substituted,
     transformable_attention,
 )
+from .options import OMEGAS, ProbeOptions
 
-OmegaKind = Literal["gaussian", "rademacher"]
-Strategy = Literal["auto", "vmap", "loop", "autograd"]
-OMEGAS: tuple[str, ...] = ("gaussian", "rademacher")
-STRATEGIES: tuple[str, ...] = ("auto", "vmap", "loop", "autograd")
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from typing import Unpack
+    else:
+        from typing_extensions import Unpack
 
-_warned: set[tuple[str, str]] = set()
+    from .options import ProbeKwargs
 
-
-def warn_once(model: nn.Module, key: str, message: str) -> None:
-    """Warn once per model class and kind of event."""
-    tag = (type(model).__qualname__, key)
-    if tag not in _warned:
-        _warned.add(tag)
-        warnings.warn(message, RuntimeWarning, stacklevel=3)
+__all__ = [
+    "GradientReduction",
+    "OmegaSlice",
+    "ProbeResult",
+    "VjpSetup",
+    "draw_omega",
+    "estimate",
+    "prepare_vjp",
+    "probe",
+    "run_probe",
+]
 
 
 @dataclass
@@ -80,21 +87,22 @@ class ProbeResult:
             ``D`` the rank of the tensor's grouped view (:func:`fslr_func.estimator.grouped_shape`).
         readout: readout tensor names -> ``"weight"`` or ``"bias"``.
         readout_module: the readout module's name, or ``None``.
-        num_outputs: ``M``, the number of output elements.
+        num_outputs: ``M``, the number of output elements (of the global batch when the probe
+            spans several processes).
         strategy: the strategy that produced the result.
     """
 
     log_stats: dict[str, Tensor]
-    readout: dict[str, str]
+    readout: dict[str, ReadoutRole]
     readout_module: str | None
     num_outputs: int
     strategy: str
 
-    def fslr(self, estimator: str = "kron") -> dict[str, Tensor]:
+    def fslr(self, estimator: Estimator = "kron") -> dict[str, Tensor]:
         """One-probe FSLR per tensor: the square root of the estimator on the sample means."""
         check_estimator(estimator)
         return {
-            n: fslr_from_log(log_sq_norm(mean_log_stats(ls), estimator, self.readout.get(n)))  # type: ignore[arg-type]
+            n: fslr_from_log(log_sq_norm(mean_log_stats(ls), estimator, self.readout.get(n)))
             for n, ls in self.log_stats.items()
         }
 
@@ -107,6 +115,8 @@ def draw_omega(
     dtype: torch.dtype,
 ) -> Tensor:
     """One omega sample of ``num`` i.i.d. zero-mean, unit-variance entries.
+
+    Drawn on the generator's device (``device`` without one), then moved to ``device``.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -124,27 +134,10 @@ def draw_omega(
     return w.to(device=device, dtype=dtype)
 
 
-def _check_options(samples: int, omega: str, chunk_size: int | None, strategy: str) -> None:
-    if not isinstance(samples, int) or samples < 1:
-        raise ValueError(f"samples must be a positive integer, got {samples!r}")
-    if omega not in OMEGAS:
-        raise ValueError(f"unknown omega {omega!r}; choose one of {', '.join(OMEGAS)}")
-    if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size must be None or a positive integer, got {chunk_size!r}")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; choose one of {', '.join(STRATEGIES)}")
-
-
-def check_forward_seed(seed: int | None) -> None:
-    """Raise a ``TypeError`` unless ``seed`` is ``None`` or an int."""
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
-        raise TypeError(f"forward_seed must be None or an int, got {seed!r}")
-
-
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
+SampleFn = Callable[[Tensor], dict[str, Tensor]]
 TIMED_VMAP_ROWS = 3
 """Samples vmapped while ``strategy="auto"`` times vmap against the loop on a first chunk."""
-SampleFn = Callable[[Tensor], dict[str, Tensor]]
 
 
 def _func_vjp(
@@ -180,11 +173,6 @@ def _autograd_vjp(
     return out.detach(), vjp_fn
 
 
-def _first_line(err: BaseException) -> str:
-    lines = str(err).splitlines()
-    return f"{type(err).__name__}: {lines[0][:200] if lines else ''}"
-
-
 @dataclass
 class VjpSetup:
     """One forward of the model under a vjp, and what the probe needs to use it.
@@ -203,7 +191,7 @@ class VjpSetup:
     model: nn.Module
     output: Tensor
     vjp_fn: VjpFn
-    readout: dict[str, str]
+    readout: dict[str, ReadoutRole]
     readout_module: str | None
     views: dict[str, tuple[int, ...]]
     strategy: str
@@ -245,7 +233,7 @@ class VjpSetup:
 
     def _vmap(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
         try:
-            return vmap(fn)(omegas)
+            result: dict[str, Tensor] = vmap(fn)(omegas)
         except (RuntimeError, NotImplementedError) as err:
             if self.requested == "vmap":
                 raise
@@ -253,43 +241,34 @@ class VjpSetup:
                 self.model,
                 "loop",
                 f"vmap over the probe's vjp failed for {type(self.model).__name__} "
-                f"({_first_line(err)}); falling back to a loop over samples (same result, may "
+                f"({first_line(err)}); falling back to a loop over samples (same result, may "
                 f"be slower)",
             )
             self.strategy = "loop"
             return self._loop(fn, omegas)
+        return result
 
 
 def prepare_vjp(
     model: nn.Module,
     inputs: Inputs,
     delta: Mapping[str, Tensor],
+    options: ProbeOptions,
     *,
     params: Mapping[str, Tensor] | None = None,
-    output_fn: OutputFn | None = None,
-    readout: str | None = "auto",
-    strategy: str = "auto",
-    grouping: Grouping = "auto",
-    forward_seed: int | None = None,
 ) -> VjpSetup:
     """Check the arguments and run the model's forward once under a vjp.
 
     Only the tensors in ``delta`` are differentiated; the other parameters, frozen parameters
     and cloned buffers are constants. The forward runs under :func:`torch.func.vjp`, or under
-    plain autograd when ``strategy="autograd"`` or when torch.func cannot trace the model and
-    ``strategy="auto"`` (one warning). The readout layer is detected during this forward.
-    Arguments are those of :func:`probe`.
+    plain autograd when ``options.strategy="autograd"`` or when torch.func cannot trace the
+    model and the strategy is ``"auto"`` (one warning). The readout layer is detected during
+    this forward. Arguments are those of :func:`run_probe`.
     """
-    check_grouping(grouping)
-    check_forward_seed(forward_seed)
-    tensors = ModuleTensors.of(model)
-    check_delta(delta, tensors)
-    point = dict(tensors.trainable)
-    if params is not None:
-        check_delta(params, tensors, what="params")
-        point.update({n: p.detach() for n, p in params.items()})
+    tensors, point = evaluation_point(model, delta, params)
     primals = {n: point[n] for n in delta}
     fixed = {n: t for n, t in point.items() if n not in delta}
+    readout, strategy = options.readout, options.strategy
 
     finder = ReadoutFinder(model) if readout == "auto" else None
     found: list[str | None] = []
@@ -300,14 +279,16 @@ def prepare_vjp(
         state = {**fixed, **tensors.constants(), **p}
         last_state[:] = [state]
         with finder if finder is not None else contextlib.nullcontext():
-            raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
-            out = as_output_tensor(raw, output_fn)
+            raw = model_forward(
+                model, state, inputs, options.output_fn, forward_seed=options.forward_seed
+            )
+            out = as_output_tensor(raw, options.output_fn)
         if finder is not None:
             found.append(finder.find(out))
         out_shape.append(out.shape)
         return out.reshape(-1)
 
-    use = strategy
+    use: str = strategy
     try:
         if strategy == "autograd":
             raise NotImplementedError("autograd requested")
@@ -322,7 +303,7 @@ def prepare_vjp(
             warn_once(
                 model,
                 "autograd",
-                f"torch.func could not trace {type(model).__name__} ({_first_line(err)}); the "
+                f"torch.func could not trace {type(model).__name__} ({first_line(err)}); the "
                 f"FSLR probe falls back to plain autograd, one backward per sample (same "
                 f"result, slower)",
             )
@@ -332,10 +313,49 @@ def prepare_vjp(
     last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
     roles = readout_roles(model, module_name, primals, last_dim)
     views = {
-        n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, grouping)
+        n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
         for n, d in delta.items()
     }
     return VjpSetup(model, out, vjp_fn, roles, module_name, views, use, strategy)
+
+
+@dataclass(frozen=True)
+class OmegaSlice:
+    """Where this process's outputs sit in each omega sample.
+
+    Each sample draws ``draw`` entries from ``generator`` and uses ``[offset, offset + local)``
+    of them (``local`` the number of this process's output elements); the probe's cotangent
+    is scaled by ``1 / sqrt(total)``, ``total`` the global number of output elements. One
+    process: ``draw == total == local``, ``offset == 0``.
+    """
+
+    generator: torch.Generator | None
+    draw: int
+    offset: int
+    total: int
+
+
+class GradientReduction(Protocol):
+    """The hook that makes one probe span several processes (:mod:`fslr_func.distributed`).
+
+    The probe calls :meth:`omega_slice` once, after its forward, and :meth:`reduce` on every
+    chunk of per-sample gradients before their statistics are taken, so the statistics are
+    those of the global batch on every process.
+    """
+
+    def omega_slice(
+        self,
+        num_outputs: int,
+        delta: Mapping[str, Tensor],
+        samples: int,
+        generator: torch.Generator | None,
+    ) -> OmegaSlice:
+        """This process's slice of the global omega, given its ``num_outputs`` elements."""
+        ...
+
+    def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """Per-sample gradients ``(chunk, *shape)`` summed over the processes."""
+        ...
 
 
 def _dense(g: Tensor) -> Tensor:
@@ -343,21 +363,88 @@ def _dense(g: Tensor) -> Tensor:
     return g if g.layout == torch.strided else g.to_dense()
 
 
+def _chunks(samples: int, chunk_size: int | None) -> Iterator[int]:
+    """Sizes of the successive chunks of ``samples`` samples."""
+    chunk = samples if chunk_size is None else min(chunk_size, samples)
+    for start in range(0, samples, chunk):
+        yield min(chunk, samples - start)
+
+
+def run_probe(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    options: ProbeOptions,
+    *,
+    generator: torch.Generator | None = None,
+    params: Mapping[str, Tensor] | None = None,
+    reduction: GradientReduction | None = None,
+) -> ProbeResult:
+    """The one sampling loop behind every probe: :func:`probe` with validated options.
+
+    Args:
+        model: any module; it is not mutated (buffers are cloned, parameters substituted).
+        inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
+        delta: parameter name -> unit-learning-rate update (names of ``named_parameters()``).
+        options: the validated :class:`~fslr_func.options.ProbeOptions`.
+        generator: draws omega.
+        params: values to evaluate the gradient at; defaults to the module's parameters.
+        reduction: combines the per-sample gradients of several processes
+            (:class:`GradientReduction`); ``None``: one process, and each sample is reduced to
+            its statistics inside the mapped function, so only statistics leave it.
+
+    Returns:
+        A :class:`ProbeResult`.
+    """
+    setup = prepare_vjp(model, inputs, delta, options, params=params)
+    out = setup.output
+    local = out.numel()
+    where = (
+        OmegaSlice(generator, local, 0, local)
+        if reduction is None
+        else reduction.omega_slice(local, delta, options.samples, generator)
+    )
+    if where.total == 0:
+        raise ValueError("the model output is empty: nothing to probe")
+    scale = 1.0 / math.sqrt(where.total)
+    home = where.generator.device if where.generator is not None else out.device
+
+    def gradients(w: Tensor) -> dict[str, Tensor]:
+        (grads,) = setup.vjp_fn(w * scale)
+        return {n: _dense(grads[n]) for n in delta}
+
+    def statistics(grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        return {n: log_statistics((grads[n] * d).reshape(setup.views[n])) for n, d in delta.items()}
+
+    def draw(count: int) -> Tensor:
+        ws = [
+            draw_omega(where.draw, options.omega, where.generator, home, out.dtype)
+            for _ in range(count)
+        ]
+        stacked = torch.stack(ws)
+        if where.draw != local:
+            stacked = stacked[:, where.offset : where.offset + local]
+        return stacked.to(out.device)
+
+    rows = []
+    for count in _chunks(options.samples, options.chunk_size):
+        if reduction is None:
+            rows.append(setup.map_samples(lambda w: statistics(gradients(w)), draw(count)))
+        else:
+            grads = reduction.reduce(setup.map_samples(gradients, draw(count)))
+            rows.append(vmap(statistics)(grads))
+    log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
+    return ProbeResult(log_stats, setup.readout, setup.readout_module, where.total, setup.strategy)
+
+
 def probe(
     model: nn.Module,
     inputs: Inputs,
     delta: Mapping[str, Tensor],
     *,
-    params: Mapping[str, Tensor] | None = None,
-    samples: int = 8,
-    omega: str = "gaussian",
     generator: torch.Generator | None = None,
-    output_fn: OutputFn | None = None,
-    readout: str | None = "auto",
-    chunk_size: int | None = None,
-    strategy: str = "auto",
-    grouping: Grouping = "auto",
-    forward_seed: int | None = None,
+    params: Mapping[str, Tensor] | None = None,
+    **options: Unpack[ProbeKwargs],
 ) -> ProbeResult:
     """Per-sample log statistics of ``Z = delta * d phi / d W`` for every tensor in ``delta``.
 
@@ -365,24 +452,14 @@ def probe(
         model: any module; it is not mutated (buffers are cloned, parameters substituted).
         inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
         delta: parameter name -> unit-learning-rate update (names of ``named_parameters()``).
-        params: values to evaluate the gradient at (e.g. the weights before an optimiser
-            step); defaults to the module's current parameters. Partial dicts are fine.
-        samples: number ``S`` of omega samples.
-        omega: ``"gaussian"`` or ``"rademacher"``.
         generator: draws omega; a seeded generator reproduces the result (bit for bit with
             a fixed ``strategy``; ``"auto"`` may pick vmap or the loop from run to run, which
             agree to float rounding).
-        output_fn: maps the model output to the tensor whose movement is measured.
-        readout: ``"auto"`` (detect), a module name, or ``None`` (no readout variants).
-        chunk_size: samples per vmap call (peak memory grows with it); ``None``: all at once.
-        strategy: ``"auto"`` (time vmap against a loop on the first chunk and keep the
-            faster; fall back where a path fails), ``"vmap"``, ``"loop"`` or ``"autograd"``.
-        grouping: how each tensor's dims are grouped into Kronecker factors before the
-            statistics (:func:`fslr_func.estimator.grouped_shape`); readout tensors keep
-            their shape.
-        forward_seed: run the forward under its own RNG seeded with this (restoring the
-            global state after): the same seed in :func:`fslr_func.exact` gives the same
-            dropout masks. ``None``: the forward uses the global RNG.
+        params: values to evaluate the gradient at (e.g. the weights before an optimiser
+            step); defaults to the module's current parameters. Partial dicts are fine.
+        **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`):
+            ``samples``, ``omega``, ``output_fn``, ``readout``, ``chunk_size``, ``strategy``,
+            ``grouping``, ``forward_seed``.
 
     Returns:
         A :class:`ProbeResult`; its ``strategy`` is the one that ran (pass it back to skip the
@@ -395,39 +472,9 @@ def probe(
         >>> r.log_stats["weight"].shape, r.readout
         (torch.Size([4, 4]), {'weight': 'weight', 'bias': 'bias'})
     """
-    _check_options(samples, omega, chunk_size, strategy)
-    setup = prepare_vjp(
-        model,
-        inputs,
-        delta,
-        params=params,
-        output_fn=output_fn,
-        readout=readout,
-        strategy=strategy,
-        grouping=grouping,
-        forward_seed=forward_seed,
+    return run_probe(
+        model, inputs, delta, ProbeOptions(**options), generator=generator, params=params
     )
-    out = setup.output
-    num_outputs = out.numel()
-    scale = 1.0 / math.sqrt(num_outputs)
-
-    def sample_stats(w: Tensor) -> dict[str, Tensor]:
-        (grads,) = setup.vjp_fn(w * scale)
-        return {
-            n: log_statistics((_dense(grads[n]) * d).reshape(setup.views[n]))
-            for n, d in delta.items()
-        }
-
-    chunk = samples if chunk_size is None else min(chunk_size, samples)
-    rows = []
-    for start in range(0, samples, chunk):
-        count = min(chunk, samples - start)
-        ws = torch.stack(
-            [draw_omega(num_outputs, omega, generator, out.device, out.dtype) for _ in range(count)]
-        )
-        rows.append(setup.map_samples(sample_stats, ws))
-    log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
-    return ProbeResult(log_stats, setup.readout, setup.readout_module, num_outputs, setup.strategy)
 
 
 def estimate(
@@ -435,17 +482,10 @@ def estimate(
     inputs: Inputs,
     delta: Mapping[str, Tensor],
     *,
-    samples: int = 8,
-    estimator: str = "kron",
-    omega: str = "gaussian",
+    estimator: Estimator = "kron",
     generator: torch.Generator | None = None,
-    output_fn: OutputFn | None = None,
-    readout: str | None = "auto",
-    chunk_size: int | None = None,
-    strategy: str = "auto",
     params: Mapping[str, Tensor] | None = None,
-    grouping: Grouping = "auto",
-    forward_seed: int | None = None,
+    **options: Unpack[ProbeKwargs],
 ) -> dict[str, Tensor]:
     r"""One-probe estimate of every tensor's function-space learning rate (no EMA).
 
@@ -455,7 +495,10 @@ def estimate(
     (:math:`E[\sum Z^2]`); the readout layer's tensors use the row-independent variants with
     ``kron``. ``grouping`` chooses the Kronecker factors of tensors of rank 3 or more (conv
     weights): ``"auto"`` views them as ``out x rest``; ``"dims"`` is the paper's one factor
-    per dim. See :mod:`fslr_func.estimator` and :func:`probe` for the arguments.
+    per dim. See :mod:`fslr_func.estimator`, :class:`~fslr_func.options.ProbeOptions` for the
+    probe's options (``samples=8``, ``omega="gaussian"``, ``output_fn``, ``readout="auto"``,
+    ``chunk_size``, ``strategy="auto"``, ``grouping="auto"``, ``forward_seed``) and
+    :func:`probe` for the other arguments.
 
     Returns:
         Tensor name -> float64 scalar FSLR, keyed like ``delta``.
@@ -472,19 +515,5 @@ def estimate(
         ['0.bias', '0.weight', '2.bias', '2.weight']
     """
     check_estimator(estimator)
-    result = probe(
-        model,
-        inputs,
-        delta,
-        params=params,
-        samples=samples,
-        omega=omega,
-        generator=generator,
-        output_fn=output_fn,
-        readout=readout,
-        chunk_size=chunk_size,
-        strategy=strategy,
-        grouping=grouping,
-        forward_seed=forward_seed,
-    )
-    return result.fslr(estimator)
+    opts = ProbeOptions(**options)
+    return run_probe(model, inputs, delta, opts, generator=generator, params=params).fslr(estimator)

@@ -24,24 +24,37 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+import sys
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from .estimator import (
     EMA,
+    Estimator,
     Grouping,
+    ReadoutRole,
     check_estimator,
-    check_grouping,
     fslr_from_log,
     log_sq_norm,
     mean_log_stats,
 )
-from .functional import Inputs, OutputFn
-from .probe import OMEGAS, STRATEGIES, ProbeResult, probe
+from .functional import Inputs
+from .options import ProbeOptions
+from .probe import GradientReduction, run_probe
+
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from typing import Unpack
+    else:
+        from typing_extensions import Unpack
+
+    from .options import ProbeKwargs
+
+__all__ = ["FSLRModule", "Measurement", "param_lrs"]
 
 _STATE_VERSION = 1
 
@@ -83,51 +96,47 @@ def param_lrs(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, f
 class FSLRModule(nn.Module):
     """A module that behaves exactly like the wrapped one and measures its FSLRs.
 
-    Build it with :func:`with_fslr`. ``fm(x)`` is ``model(x)``; the wrapped module is
+    Build it with :func:`fslr_func.with_fslr`. ``fm(x)`` is ``model(x)``; the wrapped module is
     ``fm.module`` and its parameters are ``fm``'s, under the names of ``model``.
+
+    Args:
+        model: any module with trainable parameters.
+        estimator: ``"kron"``, ``"full"`` or ``"iid"``.
+        beta: EMA decay across probes (bias-corrected).
+        seed: seeds the omega generator; ``None`` draws it from torch's global RNG.
+        reduction: how a probe spans several processes
+            (:class:`~fslr_func.probe.GradientReduction`); ``None``: this process only.
+        **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`).
+
+    Attributes:
+        options: the validated probe options.
+        resolved_strategy: what ``strategy="auto"`` resolved to on the first probe (timing,
+            fallbacks), reused by later probes.
     """
 
     def __init__(
         self,
         model: nn.Module,
         *,
-        samples: int = 8,
-        estimator: str = "kron",
-        omega: str = "gaussian",
+        estimator: Estimator = "kron",
         beta: float = 0.9,
-        readout: str | None = "auto",
-        output_fn: OutputFn | None = None,
-        chunk_size: int | None = None,
-        strategy: str = "auto",
         seed: int | None = None,
-        grouping: Grouping = "auto",
+        reduction: GradientReduction | None = None,
+        **options: Unpack[ProbeKwargs],
     ) -> None:
         super().__init__()
         check_estimator(estimator)
-        check_grouping(grouping)
-        if omega not in OMEGAS:
-            raise ValueError(f"unknown omega {omega!r}; choose one of {', '.join(OMEGAS)}")
-        if strategy not in STRATEGIES:
-            raise ValueError(f"unknown strategy {strategy!r}; choose one of {STRATEGIES}")
-        if not isinstance(samples, int) or samples < 1:
-            raise ValueError(f"samples must be a positive integer, got {samples!r}")
+        self.options = ProbeOptions(**options)
+        self.ema = EMA(beta)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 f"{type(model).__name__} has no trainable parameters: nothing to measure"
             )
         self.module = model
-        self.samples = samples
-        self.estimator = estimator
-        self.omega = omega
-        self.readout = readout
-        self.output_fn = output_fn
-        self.chunk_size = chunk_size
-        self.strategy = strategy
-        # What "auto" resolved to on the first probe (timing, fallbacks): reused afterwards.
-        self.resolved_strategy = strategy
-        self.grouping = grouping
-        self.ema = EMA(beta)
-        self.readout_roles: dict[str, str] = {}
+        self.estimator: Estimator = estimator
+        self.reduction = reduction
+        self.resolved_strategy: str = self.options.strategy
+        self.readout_roles: dict[str, ReadoutRole] = {}
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator().manual_seed(seed)
@@ -141,9 +150,19 @@ class FSLRModule(nn.Module):
         """EMA decay."""
         return self.ema.beta
 
+    @property
+    def samples(self) -> int:
+        """Omega samples per probe batch."""
+        return self.options.samples
+
+    @property
+    def grouping(self) -> Grouping:
+        """Kronecker factors of tensors of rank 3 or more."""
+        return self.options.grouping
+
     def observe(
         self,
-        inputs: Inputs | Sequence[Inputs],
+        inputs: Inputs | list[Inputs],
         delta: Mapping[str, Tensor],
         *,
         params: Mapping[str, Tensor] | None = None,
@@ -158,36 +177,27 @@ class FSLRModule(nn.Module):
         Returns:
             The current FSLR estimates (name -> float64 scalar).
         """
-        batches: list[Inputs] = list(inputs) if isinstance(inputs, list) else [inputs]  # type: ignore[list-item]
+        batches = inputs if isinstance(inputs, list) else [inputs]
+        options = self.options.replace(strategy=self.resolved_strategy)
         for batch in batches:
-            result = self._probe(batch, delta, params)
+            result = run_probe(
+                self.module,
+                batch,
+                delta,
+                options,
+                generator=self.generator,
+                params=params,
+                reduction=self.reduction,
+            )
             self.resolved_strategy = result.strategy
+            options = options.replace(strategy=result.strategy)
             self.readout_roles.update(result.readout)
             self.ema.update({n: mean_log_stats(s) for n, s in result.log_stats.items()})
         return self.fslr()
 
-    def _probe(
-        self, inputs: Inputs, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
-    ) -> ProbeResult:
-        """One probe of ``delta`` on ``inputs`` (the data-parallel subclass all-reduces it)."""
-        return probe(self.module, inputs, delta, params=params, **self._probe_options())
-
-    def _probe_options(self) -> dict[str, Any]:
-        """The probe's keyword arguments, shared with the data-parallel subclass."""
-        return {
-            "samples": self.samples,
-            "omega": self.omega,
-            "generator": self.generator,
-            "output_fn": self.output_fn,
-            "readout": self.readout,
-            "chunk_size": self.chunk_size,
-            "strategy": self.resolved_strategy,
-            "grouping": self.grouping,
-        }
-
     @contextlib.contextmanager
     def measure(
-        self, optimizer: torch.optim.Optimizer, inputs: Inputs | Sequence[Inputs]
+        self, optimizer: torch.optim.Optimizer, inputs: Inputs | list[Inputs]
     ) -> Iterator[Measurement]:
         """Measure the optimiser step taken inside the ``with`` block.
 
@@ -214,7 +224,7 @@ class FSLRModule(nn.Module):
     def log_sq(self) -> dict[str, Tensor]:
         """Log of the current estimates of ``||Delta_W f||^2_RMS`` (float64, ``-inf``: zero)."""
         return {
-            n: log_sq_norm(v, self.estimator, self.readout_roles.get(n))  # type: ignore[arg-type]
+            n: log_sq_norm(v, self.estimator, self.readout_roles.get(n))
             for n, v in self.ema.value().items()
         }
 
@@ -243,78 +253,4 @@ class FSLRModule(nn.Module):
         self.ema.load_state_dict(state["ema"])
         self.readout_roles = dict(state["readout_roles"])
         self.generator.set_state(state["generator"])
-        self.resolved_strategy = state.get("resolved_strategy", self.strategy)
-
-
-def with_fslr(
-    model: nn.Module,
-    *,
-    samples: int = 8,
-    estimator: str = "kron",
-    omega: str = "gaussian",
-    beta: float = 0.9,
-    readout: str | None = "auto",
-    output_fn: OutputFn | None = None,
-    chunk_size: int | None = None,
-    strategy: str = "auto",
-    seed: int | None = None,
-    distributed: bool | None = None,
-    group: Any = None,
-    grouping: Grouping = "auto",
-) -> FSLRModule:
-    """Wrap ``model`` so that its optimiser steps can report function-space learning rates.
-
-    Args:
-        model: any ``nn.Module``.
-        samples: omega samples per probe batch.
-        estimator: ``"kron"`` (default), ``"full"`` or ``"iid"``.
-        omega: ``"gaussian"`` or ``"rademacher"``.
-        beta: EMA decay across probes (bias-corrected).
-        readout: ``"auto"``, a module name, or ``None`` to switch the readout variants off.
-        output_fn: maps the model output to the tensor measured (``lambda o: o.logits``).
-        chunk_size: samples per vmap call (bounds the probe's peak memory).
-        strategy: ``"auto"``, ``"vmap"``, ``"loop"`` or ``"autograd"``.
-        seed: seeds the omega generator; ``None`` draws it from torch's global RNG (rank 0's
-            when distributed).
-        distributed: all-reduce the probe over the ranks of ``group`` so every rank gets the
-            estimates of the global batch (:mod:`fslr_func.distributed`); ``None``: exactly
-            when ``model`` is a ``DistributedDataParallel`` module, which is always unwrapped.
-        group: the process group of a distributed probe; ``None``: the default group.
-        grouping: Kronecker factors of tensors of rank 3 or more: ``"auto"`` (conv weights as
-            ``out x rest``), ``"dims"`` (the paper's one per dim), ``"matrix"`` or a callable
-            ``(name, shape) -> view shape`` (:func:`fslr_func.estimator.grouped_shape`).
-
-    Returns:
-        An :class:`FSLRModule`; ``fm(x) == model(x)``.
-    """
-    from .distributed import DistributedFSLRModule, is_data_parallel
-
-    if distributed or is_data_parallel(model):
-        return DistributedFSLRModule(
-            model,
-            distributed=distributed,
-            group=group,
-            samples=samples,
-            estimator=estimator,
-            omega=omega,
-            beta=beta,
-            readout=readout,
-            output_fn=output_fn,
-            chunk_size=chunk_size,
-            strategy=strategy,
-            seed=seed,
-            grouping=grouping,
-        )
-    return FSLRModule(
-        model,
-        samples=samples,
-        estimator=estimator,
-        omega=omega,
-        beta=beta,
-        readout=readout,
-        output_fn=output_fn,
-        chunk_size=chunk_size,
-        strategy=strategy,
-        seed=seed,
-        grouping=grouping,
-    )
+        self.resolved_strategy = state.get("resolved_strategy", self.options.strategy)

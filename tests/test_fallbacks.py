@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 import fslr_func as ff
-import fslr_func.probe as probe_module
+import fslr_func.fallback as probe_module
 from fslr_func.probe import probe
 
 

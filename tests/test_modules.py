@@ -654,7 +654,7 @@ def test_inductor_compiled_model() -> None:
 def test_fallbacks_are_needed_exactly_where_docs_modules_md_says(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fslr_func.probe as probe_module
+    import fslr_func.fallback as probe_module
 
     monkeypatch.setattr(probe_module, "_warned", set())
     case = CASES[name]

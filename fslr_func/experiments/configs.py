@@ -31,7 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from fslr_func.probe import STRATEGIES
+from fslr_func.options import STRATEGIES, Strategy
 
 __all__ = [
     "AXES",
@@ -169,7 +169,7 @@ class SweepConfig:
     every: int = 10
     flerm_mode: str = "static"
     modes: tuple[str, ...] = MODES
-    strategy: str = "vmap"
+    strategy: Strategy = "vmap"
 
     def __post_init__(self) -> None:
         # normalise sequences to sorted/ordered tuples of floats, so equal configs compare equal

@@ -83,7 +83,7 @@ from ..functional import Inputs, OutputFn
 from ..policies import Policy
 from ..record import FSLRRecord
 from ..recorder import Recorder
-from ..transform import with_fslr
+from ..wrap import with_fslr
 from .configs import MODES, ConfigError, SweepConfig, lr_key, scale_key
 from .train import LossFn, last_mean, lm_loss, train
 

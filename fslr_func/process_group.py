@@ -1,0 +1,54 @@
+"""What every distributed piece shares: the process group's rank and size, the device of
+small collectives, and one seed for all ranks.
+
+Example:
+    Outside ``torch.distributed.init_process_group`` every piece says what to do:
+
+    >>> rank_and_size(None)
+    Traceback (most recent call last):
+    ...
+    RuntimeError: torch.distributed is not initialised: call ...
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["ProcessGroup", "broadcast_seed", "collective_device", "rank_and_size"]
+
+ProcessGroup = Any
+"""A ``torch.distributed.ProcessGroup``, or ``None`` for the default group."""
+
+
+def rank_and_size(group: ProcessGroup) -> tuple[int, int]:
+    """This process's rank in ``group`` and the group's size.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(
+            "torch.distributed is not initialised: call torch.distributed.init_process_group "
+            "first (torchrun sets up its environment), or use fslr_func.estimate in one process"
+        )
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def collective_device(group: ProcessGroup = None) -> torch.device:
+    """Device for small collectives: the current CUDA device under NCCL, else the CPU."""
+    if "nccl" in str(dist.get_backend(group)).lower():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def broadcast_seed(seed: int | None, group: ProcessGroup = None) -> int:
+    """``seed`` of the group's first rank on every rank (drawn there from torch's RNG if None)."""
+    rank_and_size(group)
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()).item())
+    t = torch.tensor([seed], dtype=torch.int64, device=collective_device(group))
+    dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return int(t.item())

@@ -1,0 +1,83 @@
+"""``with_fslr``: the one entry point that wraps a model, in one process or data-parallel.
+
+It picks the wrapper: :class:`~fslr_func.transform.FSLRModule` for a plain module,
+:class:`~fslr_func.distributed.DistributedFSLRModule` for a data-parallel one or when asked
+for a distributed probe. Either way the probe options are validated here, before anything else.
+
+Example:
+    >>> import torch, fslr_func as ff
+    >>> fm = ff.with_fslr(torch.nn.Linear(4, 2), samples=4, seed=0)
+    >>> type(fm).__name__, fm.samples
+    ('FSLRModule', 4)
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+from .distributed import DistributedFSLRModule, is_data_parallel
+from .estimator import Estimator
+from .process_group import ProcessGroup
+from .transform import FSLRModule
+
+if TYPE_CHECKING:
+    if sys.version_info >= (3, 11):
+        from typing import Unpack
+    else:
+        from typing_extensions import Unpack
+
+    from .options import ProbeKwargs
+
+__all__ = ["with_fslr"]
+
+
+def with_fslr(
+    model: nn.Module,
+    *,
+    estimator: Estimator = "kron",
+    beta: float = 0.9,
+    seed: int | None = None,
+    distributed: bool | None = None,
+    group: ProcessGroup = None,
+    **options: Unpack[ProbeKwargs],
+) -> FSLRModule:
+    """Wrap ``model`` so that its optimiser steps can report function-space learning rates.
+
+    Args:
+        model: any ``nn.Module``.
+        estimator: ``"kron"`` (default), ``"full"`` or ``"iid"``.
+        beta: EMA decay across probes (bias-corrected).
+        seed: seeds the omega generator; ``None`` draws it from torch's global RNG (rank 0's
+            when distributed).
+        distributed: all-reduce the probe over the ranks of ``group`` so every rank gets the
+            estimates of the global batch (:mod:`fslr_func.distributed`); ``None``: exactly
+            when ``model`` is a ``DistributedDataParallel`` module, which is always unwrapped.
+        group: the process group of a distributed probe; ``None``: the default group.
+        **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`):
+            ``samples=8`` (omega samples per probe batch), ``omega="gaussian"``,
+            ``output_fn`` (``lambda o: o.logits``), ``readout="auto"`` (a module name, or
+            ``None`` to switch the readout variants off), ``chunk_size`` (bounds the probe's
+            peak memory), ``strategy="auto"``, ``grouping="auto"`` (conv weights as
+            ``out x rest``; ``"dims"``, ``"matrix"`` or a callable), ``forward_seed``.
+
+    Returns:
+        An :class:`~fslr_func.transform.FSLRModule`; ``fm(x) == model(x)``.
+
+    Raises:
+        ValueError: an invalid option (at once, before any probe), or a model without
+            trainable parameters.
+    """
+    if distributed or is_data_parallel(model):
+        return DistributedFSLRModule(
+            model,
+            distributed=distributed,
+            group=group,
+            seed=seed,
+            estimator=estimator,
+            beta=beta,
+            **options,
+        )
+    return FSLRModule(model, estimator=estimator, beta=beta, seed=seed, **options)
