@@ -63,12 +63,12 @@ Example:
     ...     fm = ff.with_fslr(net, samples=4, seed=0)
     ...     opt = torch.optim.Adam(fm.parameters(), lr=lr)
     ...     probes = (torch.randn(16, 4) for _ in range(100))
-    ...     ctl = (Recorder(fm, probes, warmup_samples=8) if flerm_base is None else
-    ...            FLeRM(fm, opt, flerm_base, probe_batches=probes, warmup_samples=8))
+    ...     ctl = (Recorder(fm, probes, optimizer=opt, warmup_samples=8) if flerm_base is None
+    ...            else FLeRM(fm, opt, flerm_base, probe_batches=probes, warmup_samples=8))
     ...     for t in range(3):
     ...         opt.zero_grad()
     ...         fm(torch.randn(16, 4)).square().mean().backward()
-    ...         with ctl.step(opt) if flerm_base is None else ctl.step():
+    ...         with ctl.step():
     ...             opt.step()
     ...     return ctl
     >>> base = run(8, lr=1e-2).record
@@ -92,15 +92,15 @@ from torch import Tensor
 
 from . import policies
 from .functional import Inputs
-from .record import FSLRRecord
-from .recorder import ProbeFeed, ProbePlan, grouping_meta
+from .probe_schedule import ProbeFeed, ProbePlan
+from .record import FSLRRecord, grouping_meta
 from .transform import FSLRModule
 
 __all__ = ["FLeRM", "SetPoint"]
 
 _STATE_VERSION = 1
 Mode = Literal["static", "periodic"]
-Group = dict[str, Any]
+ParamGroup = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,8 @@ class FLeRM:
         base: the base run's :class:`~fslr_func.record.FSLRRecord` (mean over seeds or not);
             ``base.meta["base_lr"]`` is :math:`\eta_0`; ``base.lrs`` (if recorded) gives each
             base tensor's own rate :math:`\eta_{0,b}`.
-        probe_batches: endless iterable of probe inputs, separate from the training batches.
+        probe_batches: probe inputs, separate from the training batches: an endless iterator
+            or a re-iterable such as a ``DataLoader`` (cycled).
         policy: maps base FSLRs to the scaled tensors: ``"identity"`` (width, init scale, LoRA
             rank), ``"share_blocks"`` (depth), ``"equal"``, ``"equal_all"`` or any
             :class:`~fslr_func.policies.Policy`.
@@ -288,7 +289,7 @@ class FLeRM:
 
     # ------------------------------------------------------------------ rates
 
-    def _split(self, step: int) -> list[Group]:
+    def _split(self, step: int) -> list[ParamGroup]:
         """One param group per tensor, each with its group's hyperparameters and FLeRM rate."""
         base_ratio = 1.0 if self.scheduler is not None else self.base.sched_at(step)
         groups = []
@@ -308,15 +309,28 @@ class FLeRM:
         """Learning rate of each tensor at the next step (``t``), FLeRM and schedule applied."""
         return self._rates(self._split(self.t))
 
-    def _rates(self, groups: list[Group]) -> dict[str, float]:
+    def _rates(self, groups: list[ParamGroup]) -> dict[str, float]:
         rates = {self._name_of[id(g["params"][0])]: g["lr"] for g in groups}
         return {n: rates[n] for n in self.names}
 
     # ------------------------------------------------------------------ the step
 
     @contextlib.contextmanager
-    def step(self) -> Iterator[None]:
-        """Context manager around one ``optimizer.step()``: FLeRM rates, set points."""
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """Context manager around one ``optimizer.step()``: FLeRM rates, set points.
+
+        Args:
+            optimizer: optional, as for :meth:`fslr_func.recorder.Recorder.step`: the
+                optimiser FLeRM was built with (FLeRM drives that one only).
+
+        Raises:
+            ValueError: another optimiser than the one FLeRM was built with.
+        """
+        if optimizer is not None and optimizer is not self.optimizer:
+            raise ValueError(
+                "FLeRM.step(optimizer) got another optimiser than the one FLeRM was built "
+                "with: FLeRM sets the rates of that one only"
+            )
         opt = self.optimizer
         own = opt.param_groups
         n = self.plan.probes_at(self.t)

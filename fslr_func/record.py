@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
 from .atomic import atomic_write_text
+from .estimator import Grouping
 from .names import short_list
 
 __all__ = ["FORMAT", "META_KEYS", "VERSION", "FSLRRecord", "optimizer_meta"]
@@ -181,6 +182,24 @@ def optimizer_meta(optimizer: Any) -> dict[str, Any]:
         "optimizer_hparams": _jsonable(defaults),
         "base_lr": base_lr,
     }
+
+
+def grouping_meta(grouping: Grouping) -> str:
+    """``grouping`` as stored in ``record.meta["grouping"]``: a name as is, a callable marked.
+
+    A callable grouping cannot be saved, so it is stored as ``"callable:"`` and its qualified
+    name; FLeRM compares groupings by these strings.
+
+    Example:
+        >>> def by_kernel(name, shape):
+        ...     return None
+        >>> grouping_meta("auto"), grouping_meta(by_kernel)
+        ('auto', 'callable:by_kernel')
+    """
+    if isinstance(grouping, str):
+        return grouping
+    name = getattr(grouping, "__qualname__", None) or type(grouping).__qualname__
+    return f"callable:{name}"
 
 
 @dataclass

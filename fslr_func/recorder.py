@@ -21,11 +21,12 @@ Example:
     >>> fm = ff.with_fslr(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
     ...                                       torch.nn.Linear(8, 3)), samples=4, seed=0)
     >>> opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
-    >>> rec = Recorder(fm, (torch.randn(16, 4) for _ in range(100)), warmup_samples=8, every=5)
+    >>> probes = [torch.randn(16, 4) for _ in range(4)]  # a re-iterable is cycled if need be
+    >>> rec = Recorder(fm, probes, optimizer=opt, warmup_samples=8, every=5)
     >>> for t in range(11):
     ...     opt.zero_grad()
     ...     fm(torch.randn(16, 4)).square().mean().backward()
-    ...     with rec.step(opt):
+    ...     with rec.step():
     ...         opt.step()
     >>> rec.record.steps, rec.probes_used  # 2 warm-up probes at step 0, then one per 5 steps
     ([0, 5, 10], 4)
@@ -36,132 +37,21 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .estimator import Grouping
 from .functional import Inputs
-from .record import FSLRRecord, optimizer_meta
+from .probe_schedule import ProbeFeed, ProbePlan
+from .record import FSLRRecord, grouping_meta, optimizer_meta
 from .transform import FSLRModule, Measurement
 
-__all__ = ["ProbeFeed", "ProbePlan", "Recorder", "grouping_meta"]
+__all__ = ["Recorder", "schedule_ratio"]
 
 _STATE_VERSION = 1
-
-
-@dataclass(frozen=True)
-class ProbePlan:
-    """When to probe: a warm-up at ``start_step``, then one probe every ``every`` steps.
-
-    Attributes:
-        warmup_probes: probes (fresh batches, same update) at ``start_step``.
-        every: period of the single probes after the warm-up; ``None``: warm-up only.
-        start_step: the first probed step; earlier steps are not probed.
-
-    Example:
-        >>> plan = ProbePlan.of(warmup_samples=40, samples=8, every=100, start_step=5)
-        >>> [plan.probes_at(t) for t in (0, 5, 6, 105, 205, 206)]
-        [0, 5, 0, 1, 1, 0]
-    """
-
-    warmup_probes: int
-    every: int | None
-    start_step: int
-
-    @classmethod
-    def of(cls, warmup_samples: int, samples: int, every: int | None, start_step: int) -> ProbePlan:
-        """Validate the options; ``warmup_probes = ceil(warmup_samples / samples)``."""
-        if not isinstance(warmup_samples, int) or warmup_samples < 1:
-            raise ValueError(f"warmup_samples must be a positive integer, got {warmup_samples!r}")
-        if every is not None and (not isinstance(every, int) or every < 1):
-            raise ValueError(f"every must be None or a positive integer, got {every!r}")
-        if not isinstance(start_step, int) or start_step < 0:
-            raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
-        return cls(math.ceil(warmup_samples / samples), every, start_step)
-
-    def probes_at(self, step: int) -> int:
-        """Number of probe batches at ``step`` (0 on steps that are not probed)."""
-        if step == self.start_step:
-            return self.warmup_probes
-        after = step - self.start_step
-        return int(self.every is not None and after > 0 and after % self.every == 0)
-
-
-class ProbeFeed:
-    """Draws probe batches from an iterable, counting them so that a resumed run can skip them.
-
-    The iterator is created at the first draw; after :meth:`skip` (a resume) it first discards
-    the batches the interrupted run used, so a deterministic iterable re-created from scratch
-    (e.g. ``experiments.batches(..., generator=seed)``) yields the same batches as an
-    uninterrupted run.
-
-    Example:
-        >>> feed = ProbeFeed(range(10))
-        >>> feed.take(2), feed.take(1), feed.used
-        ([0, 1], [2], 3)
-        >>> again = ProbeFeed(range(10))
-        >>> again.skip(3)
-        >>> again.take(2)
-        [3, 4]
-    """
-
-    def __init__(self, batches: Iterable[Inputs]) -> None:
-        self._source = batches
-        self._it: Iterator[Inputs] | None = None
-        self._pending = 0
-        self.used = 0
-
-    def skip(self, used: int) -> None:
-        """Resume after ``used`` batches: they are discarded from a fresh iterator at next draw."""
-        self._it = None
-        self._pending = used
-        self.used = used
-
-    def take(self, n: int) -> list[Inputs]:
-        """The next ``n`` probe batches."""
-        if self._it is None:
-            self._it = iter(self._source)
-            if len(self._draw(self._pending)) < self._pending:
-                raise ValueError(
-                    f"probe_batches has fewer than the {self._pending} batches the checkpointed "
-                    "run used: hand in the same (re-created) iterable"
-                )
-        out = self._draw(n)
-        if len(out) < n:
-            raise ValueError(
-                f"probe_batches ran out after {self.used + len(out)} batches: hand in an endless "
-                "iterable of probe inputs (e.g. a generator over shuffled batches)"
-            )
-        self.used += n
-        return out
-
-    def _draw(self, n: int) -> list[Inputs]:
-        assert self._it is not None
-        return list(itertools.islice(self._it, n))
-
-
-def grouping_meta(grouping: Grouping) -> str:
-    """``grouping`` as stored in ``record.meta["grouping"]``: a name as is, a callable marked.
-
-    A callable grouping cannot be saved, so it is stored as ``"callable:"`` and its qualified
-    name; FLeRM compares groupings by these strings.
-
-    Example:
-        >>> def by_kernel(name, shape):
-        ...     return None
-        >>> grouping_meta("auto"), grouping_meta(by_kernel)
-        ('auto', 'callable:by_kernel')
-    """
-    if isinstance(grouping, str):
-        return grouping
-    name = getattr(grouping, "__qualname__", None) or type(grouping).__qualname__
-    return f"callable:{name}"
 
 
 def schedule_ratio(
@@ -184,17 +74,22 @@ def schedule_ratio(
 class Recorder:
     r"""Records a run's FSLRs into :attr:`record` from inside any training loop.
 
-    Use ``with recorder.step(optimizer): optimizer.step()`` on *every* training step (or
-    ``around_step=lambda t: recorder.step(opt)`` with :func:`fslr_func.experiments.train`). On a
+    Use ``with recorder.step(): optimizer.step()`` on *every* training step (or
+    ``around_step=lambda t: recorder.step()`` with :func:`fslr_func.experiments.train`), with
+    the optimiser given at construction as for :class:`~fslr_func.flerm.FLeRM`; passing it to
+    each ``step(optimizer)`` instead works too. On a
     probed step the block yields the :class:`~fslr_func.transform.Measurement` and a row
     :math:`(t, \mathrm{FSLR}_W(t), \eta_W(t), \mathrm{sched}(t))` is appended to
     :attr:`record`; on other steps it yields ``None`` and does nothing else.
 
     Args:
         fm: the wrapped base model (:func:`fslr_func.with_fslr`).
-        probe_batches: endless iterable of probe inputs (a tensor, a tuple of positional
-            arguments or a dict of keyword arguments per item), separate from the training
-            batches.
+        probe_batches: probe inputs (a tensor, a tuple of positional arguments or a dict of
+            keyword arguments per item), separate from the training batches: an endless
+            iterator, or a re-iterable such as a ``DataLoader`` (cycled,
+            :class:`~fslr_func.probe_schedule.ProbeFeed`).
+        optimizer: the optimiser whose steps are recorded; ``None``: given to each
+            :meth:`step` instead.
         warmup_samples: omega samples of the EMA warm-up at ``start_step``:
             ``ceil(warmup_samples / fm.samples)`` probes of that step's update on fresh batches.
         every: probe once every ``every`` steps after the warm-up; ``None``: warm-up only.
@@ -219,6 +114,7 @@ class Recorder:
         fm: FSLRModule,
         probe_batches: Iterable[Inputs],
         *,
+        optimizer: torch.optim.Optimizer | None = None,
         warmup_samples: int = 40,
         every: int | None = 100,
         start_step: int = 0,
@@ -227,6 +123,7 @@ class Recorder:
         meta: Mapping[str, Any] | None = None,
     ) -> None:
         self.fm = fm
+        self.optimizer = optimizer
         self.plan = ProbePlan.of(warmup_samples, fm.samples, every, start_step)
         self.scheduler = scheduler
         self._feed = ProbeFeed(probe_batches)
@@ -255,13 +152,21 @@ class Recorder:
         return self._feed.used
 
     @contextlib.contextmanager
-    def step(self, optimizer: torch.optim.Optimizer) -> Iterator[Measurement | None]:
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Measurement | None]:
         """Context manager around one ``optimizer.step()``; records on probed steps.
+
+        Args:
+            optimizer: the optimiser stepped in the block; default: the one given at
+                construction (passing that same one is fine too).
+
+        Raises:
+            ValueError: no optimiser here or at construction, or another one than that.
 
         Yields:
             The step's :class:`~fslr_func.transform.Measurement` (filled in on exit) on a
             probed step, else ``None``.
         """
+        optimizer = self._optimizer(optimizer)
         n = self.plan.probes_at(self.t)
         if n == 0:
             yield None
@@ -279,6 +184,21 @@ class Recorder:
             yield m
         self._append(self.t, m, sched)
         self.t += 1
+
+    def _optimizer(self, given: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
+        if given is None:
+            given = self.optimizer
+        if given is None:
+            raise ValueError(
+                "Recorder.step() needs the optimiser: build the Recorder with optimizer=opt "
+                "or call recorder.step(opt)"
+            )
+        if self.optimizer is not None and given is not self.optimizer:
+            raise ValueError(
+                "Recorder.step(optimizer) got another optimiser than the one the Recorder was "
+                "built with: record one optimiser per Recorder"
+            )
+        return given
 
     def _append(self, step: int, m: Measurement, sched: float) -> None:
         fslr = {n: float(v) for n, v in m.fslr.items() if n in m.lrs}

@@ -181,13 +181,41 @@ def test_non_finite_rows_are_skipped_with_a_warning() -> None:
 def test_probe_batches_running_out_and_bad_options() -> None:
     fm = model()
     opt = torch.optim.SGD(fm.parameters(), lr=0.1)
-    rec = Recorder(fm, [torch.randn(8, 6, dtype=torch.float64)], warmup_samples=8)
+    rec = Recorder(fm, iter([torch.randn(8, 6, dtype=torch.float64)]), warmup_samples=8)
     with pytest.raises(ValueError, match="ran out after 1 batches"):
         run(fm, opt, rec, range(1))
     bad: list[dict[str, Any]] = [{"warmup_samples": 0}, {"every": 0}, {"start_step": -1}]
     for kw in bad:
         with pytest.raises(ValueError, match=next(iter(kw))):
             Recorder(fm, stream(0), **kw)
+
+
+def test_reiterable_probe_batches_are_cycled_with_a_note() -> None:
+    """A DataLoader (or any re-iterable) is started again when it runs out, as curvlinops
+    re-iterates its data; the batches then repeat, in the same order."""
+    data = torch.utils.data.TensorDataset(torch.arange(3.0).reshape(3, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=1)
+    feed = ProbeFeed(loader)
+    with pytest.warns(RuntimeWarning, match="ran out after one pass"):
+        drawn = feed.take(2) + feed.take(3)
+    assert [float(b[0]) for b in drawn] == [0.0, 1.0, 2.0, 0.0, 1.0]
+    resumed = ProbeFeed(loader)
+    resumed.skip(4)
+    with pytest.warns(RuntimeWarning, match="ran out"):
+        assert float(resumed.take(1)[0][0]) == 1.0
+    with pytest.raises(ValueError, match="empty"):
+        ProbeFeed([]).take(1)
+
+
+def test_recorder_and_flerm_take_the_optimizer_the_same_way() -> None:
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    other = torch.optim.SGD(fm.parameters(), lr=0.1)
+    rec = Recorder(fm, stream(0), optimizer=opt, warmup_samples=8)
+    with pytest.raises(ValueError, match="another optimiser"), rec.step(other):
+        pass
+    with pytest.raises(ValueError, match="needs the optimiser"), Recorder(fm, stream(0)).step():
+        pass
 
 
 def test_plan_and_feed() -> None:

@@ -1,0 +1,153 @@
+"""When to probe and with which batches: shared by :class:`~fslr_func.recorder.Recorder` and
+:class:`~fslr_func.flerm.FLeRM`.
+
+A :class:`ProbePlan` says how many probe batches each training step gets (an EMA warm-up at
+the first probed step, then one every ``every`` steps); a :class:`ProbeFeed` hands them out
+from the user's iterable and counts them, so that a resumed run draws the same batches as an
+uninterrupted one.
+
+Example:
+    >>> plan = ProbePlan.of(warmup_samples=16, samples=8, every=2, start_step=1)
+    >>> feed = ProbeFeed(iter([10, 11, 12, 13]))
+    >>> [feed.take(plan.probes_at(t)) for t in range(6)]
+    [[], [10, 11], [], [12], [], [13]]
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from .functional import Inputs
+
+__all__ = ["ProbeFeed", "ProbePlan"]
+
+
+def _positive_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+@dataclass(frozen=True)
+class ProbePlan:
+    """When to probe: a warm-up at ``start_step``, then one probe every ``every`` steps.
+
+    Attributes:
+        warmup_probes: probes (fresh batches, same update) at ``start_step``.
+        every: period of the single probes after the warm-up; ``None``: warm-up only.
+        start_step: the first probed step; earlier steps are not probed.
+
+    Example:
+        >>> plan = ProbePlan.of(warmup_samples=40, samples=8, every=100, start_step=5)
+        >>> [plan.probes_at(t) for t in (0, 5, 6, 105, 205, 206)]
+        [0, 5, 0, 1, 1, 0]
+    """
+
+    warmup_probes: int
+    every: int | None
+    start_step: int
+
+    @classmethod
+    def of(cls, warmup_samples: int, samples: int, every: int | None, start_step: int) -> ProbePlan:
+        """Validate the options; ``warmup_probes = ceil(warmup_samples / samples)``.
+
+        Raises:
+            ValueError: ``warmup_samples`` or ``every`` not a positive integer, or
+                ``start_step`` negative.
+        """
+        if not _positive_int(warmup_samples):
+            raise ValueError(f"warmup_samples must be a positive integer, got {warmup_samples!r}")
+        if every is not None and not _positive_int(every):
+            raise ValueError(f"every must be None or a positive integer, got {every!r}")
+        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
+            raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
+        return cls(math.ceil(warmup_samples / samples), every, start_step)
+
+    def probes_at(self, step: int) -> int:
+        """Number of probe batches at ``step`` (0 on steps that are not probed)."""
+        if step == self.start_step:
+            return self.warmup_probes
+        after = step - self.start_step
+        return int(self.every is not None and after > 0 and after % self.every == 0)
+
+
+class ProbeFeed:
+    """Draws probe batches from an iterable, counting them so that a resumed run can skip them.
+
+    Two kinds of source work: an endless iterator (a generator over shuffled batches), and a
+    re-iterable (a ``DataLoader``, a list, a dataset of batches), which is started again each
+    time it runs out, with a note the first time (probe batches then repeat; shuffle the
+    loader to vary them). A one-shot iterator that runs out is an error.
+
+    The iterator is created at the first draw; after :meth:`skip` (a resume) it first discards
+    the batches the interrupted run used, so a deterministic iterable re-created from scratch
+    (e.g. ``experiments.batches(..., generator=seed)``) yields the same batches as an
+    uninterrupted run.
+
+    Example:
+        >>> feed = ProbeFeed(iter(range(10)))
+        >>> feed.take(2), feed.take(1), feed.used
+        ([0, 1], [2], 3)
+        >>> again = ProbeFeed(iter(range(10)))
+        >>> again.skip(3)
+        >>> again.take(2)
+        [3, 4]
+    """
+
+    def __init__(self, batches: Iterable[Inputs]) -> None:
+        self._source = batches
+        self._cycles = not isinstance(batches, Iterator)
+        self._it: Iterator[Inputs] | None = None
+        self._pending = 0
+        self._noted = False
+        self.used = 0
+
+    def skip(self, used: int) -> None:
+        """Resume after ``used`` batches: they are discarded from a fresh iterator at next draw."""
+        self._it = None
+        self._pending = used
+        self.used = used
+
+    def take(self, n: int) -> list[Inputs]:
+        """The next ``n`` probe batches.
+
+        Raises:
+            ValueError: a one-shot iterator ran out, or a re-iterable yields nothing.
+        """
+        if self._it is None:
+            self._it = iter(self._source)
+            if len(self._draw(self._pending)) < self._pending:
+                raise ValueError(
+                    f"probe_batches has fewer than the {self._pending} batches the checkpointed "
+                    "run used: hand in the same (re-created) iterable"
+                )
+        out = self._draw(n)
+        if len(out) < n:
+            raise ValueError(
+                f"probe_batches ran out after {self.used + len(out)} batches: hand in an endless "
+                "iterator of probe inputs (e.g. a generator over shuffled batches) or a "
+                "re-iterable such as a DataLoader, which is cycled"
+            )
+        self.used += n
+        return out
+
+    def _draw(self, n: int) -> list[Inputs]:
+        assert self._it is not None
+        out = list(itertools.islice(self._it, n))
+        while len(out) < n and self._cycles:
+            self._it = iter(self._source)
+            more = list(itertools.islice(self._it, n - len(out)))
+            if not more:
+                raise ValueError("probe_batches is empty: it yields no probe batch")
+            if not self._noted:
+                self._noted = True
+                warnings.warn(
+                    f"probe_batches ran out after one pass ({self.used + len(out)} batches); "
+                    "it is started again, so probe batches repeat (shuffle it to vary them)",
+                    RuntimeWarning,
+                    stacklevel=4,
+                )
+            out += more
+        return out
