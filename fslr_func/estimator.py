@@ -28,14 +28,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
 
 Estimator = Literal["kron", "full", "iid"]
 ReadoutRole = Literal["weight", "bias"]
-ESTIMATORS: tuple[str, ...] = ("kron", "full", "iid")
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 Grouping = str | Callable[[str, tuple[int, ...]], Sequence[int] | None]
 GROUPINGS: tuple[str, ...] = ("auto", "dims", "matrix")
 
@@ -208,7 +208,6 @@ class EMA:
     """
 
     beta: float = 0.9
-    count: int = 0
     log_m: dict[str, Tensor] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
 
@@ -228,7 +227,6 @@ class EMA:
                 self.counts[name] = 0
             self.log_m[name] = torch.logaddexp(previous + log_beta, x + log_1mb)
             self.counts[name] += 1
-        self.count += 1
 
     def value(self) -> dict[str, Tensor]:
         """Bias-corrected log expectations per tensor."""
@@ -243,14 +241,12 @@ class EMA:
         """Plain-data state for checkpoints."""
         return {
             "beta": self.beta,
-            "count": self.count,
             "log_m": {k: v.clone() for k, v in self.log_m.items()},
             "counts": dict(self.counts),
         }
 
-    def load_state_dict(self, state: Mapping[str, object]) -> None:
-        """Restore from :meth:`state_dict`."""
-        self.beta = float(state["beta"])  # type: ignore[arg-type]
-        self.count = int(state["count"])  # type: ignore[call-overload]
-        self.log_m = {k: v.clone() for k, v in state["log_m"].items()}  # type: ignore[attr-defined]
-        self.counts = dict(state["counts"])  # type: ignore[call-overload]
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore from :meth:`state_dict` (a ``count`` key of older versions is ignored)."""
+        self.beta = float(state["beta"])
+        self.log_m = {str(k): v.clone() for k, v in state["log_m"].items()}
+        self.counts = {str(k): int(v) for k, v in state["counts"].items()}

@@ -106,7 +106,7 @@ def _as_float(value: object, what: str, *, nonneg: bool) -> float:
     if isinstance(value, (str, bytes, bool)) or value is None:
         raise ValueError(f"{what} must be a number, got {value!r}")
     try:
-        x = float(value)  # type: ignore[arg-type]
+        x = float(value)  # type: ignore[arg-type]  # anything float() takes; the rest raises below
     except (TypeError, ValueError, RuntimeError) as err:
         raise ValueError(f"{what} must be a number or a one-element tensor, got {value!r}") from err
     if not math.isfinite(x):

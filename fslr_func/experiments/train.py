@@ -98,7 +98,7 @@ def train(
         losses.append(value)
         if stop_on_divergence and not math.isfinite(value):
             break
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # Tensor.backward is unannotated in torch
         ctx = around_step(step) if around_step is not None else contextlib.nullcontext()
         with ctx:
             optimizer.step()
