@@ -47,7 +47,6 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -65,10 +64,7 @@ from .process_group import ProcessGroup, broadcast_seed, collective_device, rank
 from .transform import FSLRModule
 
 if TYPE_CHECKING:
-    if sys.version_info >= (3, 11):
-        from typing import Unpack
-    else:
-        from typing_extensions import Unpack
+    from typing_extensions import Unpack
 
     from .options import ProbeKwargs
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -58,10 +57,7 @@ from .functional import (
 from .options import OMEGAS, ProbeOptions
 
 if TYPE_CHECKING:
-    if sys.version_info >= (3, 11):
-        from typing import Unpack
-    else:
-        from typing_extensions import Unpack
+    from typing_extensions import Unpack
 
     from .options import ProbeKwargs
 

@@ -24,7 +24,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,10 +46,7 @@ from .options import ProbeOptions
 from .probe import GradientReduction, run_probe
 
 if TYPE_CHECKING:
-    if sys.version_info >= (3, 11):
-        from typing import Unpack
-    else:
-        from typing_extensions import Unpack
+    from typing_extensions import Unpack
 
     from .options import ProbeKwargs
 

@@ -13,7 +13,6 @@ Example:
 
 from __future__ import annotations
 
-import sys
 from typing import TYPE_CHECKING
 
 from torch import nn
@@ -24,10 +23,7 @@ from .process_group import ProcessGroup
 from .transform import FSLRModule
 
 if TYPE_CHECKING:
-    if sys.version_info >= (3, 11):
-        from typing import Unpack
-    else:
-        from typing_extensions import Unpack
+    from typing_extensions import Unpack
 
     from .options import ProbeKwargs
 
