@@ -1,0 +1,232 @@
+"""One forward of a model under a vjp, and the vjp mapped over a batch of cotangents.
+
+:func:`prepare_vjp` runs the model's forward once, functionally, under
+:func:`torch.func.vjp` (or plain autograd where torch.func cannot trace the model), detecting
+the readout layer on the way; :meth:`VjpSetup.map_samples` applies a per-sample function built
+on the returned ``vjp_fn`` to every row of a batch of omegas, by :func:`torch.func.vmap` or by a
+loop (``strategy="auto"`` times the two on the first call and keeps the faster). The probe
+(:mod:`fslr_func.probe`) is built on the two.
+
+Example:
+    >>> import torch
+    >>> from fslr_func.options import ProbeOptions
+    >>> model = torch.nn.Linear(3, 2)
+    >>> delta = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    >>> setup = prepare_vjp(model, torch.randn(5, 3), delta, ProbeOptions(strategy="loop"))
+    >>> setup.output.shape, setup.readout_module
+    (torch.Size([10]), '')
+    >>> grads = setup.map_samples(lambda w: setup.vjp_fn(w)[0], torch.randn(4, 10))
+    >>> grads["weight"].shape
+    torch.Size([4, 2, 3])
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.func import vjp, vmap
+
+from .estimator import ReadoutRole, grouped_shape
+from .fallback import first_line, warn_once
+from .functional import (
+    Inputs,
+    ReadoutFinder,
+    as_output_tensor,
+    evaluation_point,
+    model_forward,
+    readout_roles,
+    substituted,
+    transformable_attention,
+)
+from .options import ProbeOptions
+
+__all__ = ["TIMED_VMAP_ROWS", "SampleFn", "VjpFn", "VjpSetup", "prepare_vjp"]
+
+VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
+SampleFn = Callable[[Tensor], dict[str, Tensor]]
+TIMED_VMAP_ROWS = 3
+"""Samples vmapped while ``strategy="auto"`` times vmap against the loop on a first chunk."""
+
+
+def _func_vjp(
+    flat_output: Callable[[dict[str, Tensor]], Tensor], primals: dict[str, Tensor]
+) -> tuple[Tensor, VjpFn]:
+    result = vjp(flat_output, primals)
+    return result[0], result[1]
+
+
+def _autograd_vjp(
+    flat_output: Callable[[dict[str, Tensor]], Tensor],
+    primals: dict[str, Tensor],
+    backward_context: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
+) -> tuple[Tensor, VjpFn]:
+    leaves = {n: p.detach().requires_grad_(True) for n, p in primals.items()}
+    with torch.enable_grad():
+        out = flat_output(leaves)
+
+    def vjp_fn(cotangent: Tensor) -> tuple[dict[str, Tensor]]:
+        # Activation checkpointing recomputes the forward inside this backward: it must see
+        # the forward's tensors and attention kernel (functional.substituted).
+        with transformable_attention() if backward_context is None else backward_context():
+            grads = torch.autograd.grad(
+                out, list(leaves.values()), cotangent, retain_graph=True, allow_unused=True
+            )
+        return (
+            {
+                n: torch.zeros_like(leaf) if g is None else g
+                for (n, leaf), g in zip(leaves.items(), grads, strict=True)
+            },
+        )
+
+    return out.detach(), vjp_fn
+
+
+@dataclass
+class VjpSetup:
+    """One forward of the model under a vjp, and what the probe needs to use it.
+
+    Attributes:
+        model: the module probed.
+        output: the flat model output (``M`` elements), detached.
+        vjp_fn: maps a cotangent of the flat output to ``({name: gradient},)``.
+        readout: readout tensor names -> ``"weight"`` or ``"bias"``.
+        readout_module: the readout module's name, or ``None``.
+        views: tensor name -> the shape ``Z`` is viewed as before its statistics (grouping).
+        strategy: ``"autograd"`` if the forward fell back to plain autograd, else the request.
+        requested: the strategy asked for (``"auto"`` allows fallbacks and timing).
+    """
+
+    model: nn.Module
+    output: Tensor
+    vjp_fn: VjpFn
+    readout: dict[str, ReadoutRole]
+    readout_module: str | None
+    views: dict[str, tuple[int, ...]]
+    strategy: str
+    requested: str
+
+    def map_samples(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
+        """``fn`` applied to every row of ``omegas``, results stacked along a new dim 0.
+
+        ``"vmap"`` batches the rows through :func:`torch.func.vmap`; ``"loop"`` and
+        ``"autograd"`` call ``fn`` row by row. ``"auto"`` times the two on the first call
+        (row 0 by loop, the next :data:`TIMED_VMAP_ROWS` rows by vmap, so no row is computed
+        twice), keeps the faster per row and runs the remaining rows with it; a vmap that
+        fails falls back to the loop with one warning. The choice made is left in
+        :attr:`strategy` for later calls and probes.
+        """
+        if self.strategy == "auto":
+            if len(omegas) < 2:
+                return self._loop(fn, omegas)
+            start = time.perf_counter()
+            parts = [self._loop(fn, omegas[:1])]
+            per_row_loop = time.perf_counter() - start
+            timed = omegas[1 : 1 + TIMED_VMAP_ROWS]
+            start = time.perf_counter()
+            parts.append(self._vmap(fn, timed))
+            if self.strategy == "auto":  # vmap worked: keep the faster path
+                per_row_vmap = (time.perf_counter() - start) / len(timed)
+                self.strategy = "vmap" if per_row_vmap < per_row_loop else "loop"
+            rest = omegas[1 + len(timed) :]
+            if len(rest):
+                parts.append(self.map_samples(fn, rest))
+            return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
+        if self.strategy == "vmap":
+            return self._vmap(fn, omegas)
+        return self._loop(fn, omegas)
+
+    def _loop(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
+        rows = [fn(w) for w in omegas]
+        return {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
+
+    def _vmap(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
+        try:
+            result: dict[str, Tensor] = vmap(fn)(omegas)
+        except (RuntimeError, NotImplementedError) as err:
+            if self.requested == "vmap":
+                raise
+            warn_once(
+                self.model,
+                "loop",
+                f"vmap over the probe's vjp failed for {type(self.model).__name__} "
+                f"({first_line(err)}); falling back to a loop over samples (same result, may "
+                f"be slower)",
+            )
+            self.strategy = "loop"
+            return self._loop(fn, omegas)
+        return result
+
+
+def prepare_vjp(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    options: ProbeOptions,
+    *,
+    params: Mapping[str, Tensor] | None = None,
+) -> VjpSetup:
+    """Check the arguments and run the model's forward once under a vjp.
+
+    Only the tensors in ``delta`` are differentiated; the other parameters, frozen parameters
+    and cloned buffers are constants. The forward runs under :func:`torch.func.vjp`, or under
+    plain autograd when ``options.strategy="autograd"`` or when torch.func cannot trace the
+    model and the strategy is ``"auto"`` (one warning). The readout layer is detected during
+    this forward. Arguments are those of :func:`fslr_func.probe.run_probe`.
+    """
+    tensors, point = evaluation_point(model, delta, params)
+    primals = {n: point[n] for n in delta}
+    fixed = {n: t for n, t in point.items() if n not in delta}
+    readout, strategy = options.readout, options.strategy
+
+    finder = ReadoutFinder(model) if readout == "auto" else None
+    found: list[str | None] = []
+    out_shape: list[torch.Size] = []
+    last_state: list[dict[str, Tensor]] = []
+
+    def flat_output(p: dict[str, Tensor]) -> Tensor:
+        state = {**fixed, **tensors.constants(), **p}
+        last_state[:] = [state]
+        with finder if finder is not None else contextlib.nullcontext():
+            raw = model_forward(
+                model, state, inputs, options.output_fn, forward_seed=options.forward_seed
+            )
+            out = as_output_tensor(raw, options.output_fn)
+        if finder is not None:
+            found.append(finder.find(out))
+        out_shape.append(out.shape)
+        return out.reshape(-1)
+
+    use: str = strategy
+    try:
+        if strategy == "autograd":
+            raise NotImplementedError("autograd requested")
+        out, vjp_fn = _func_vjp(flat_output, primals)
+    except (RuntimeError, NotImplementedError) as err:
+        if strategy not in ("auto", "autograd"):
+            raise
+        found.clear()
+        out_shape.clear()
+        out, vjp_fn = _autograd_vjp(flat_output, primals, lambda: substituted(model, last_state[0]))
+        if strategy == "auto":
+            warn_once(
+                model,
+                "autograd",
+                f"torch.func could not trace {type(model).__name__} ({first_line(err)}); the "
+                f"FSLR probe falls back to plain autograd, one backward per sample (same "
+                f"result, slower)",
+            )
+        use = "autograd"
+
+    module_name = found[0] if found else (readout if readout != "auto" else None)
+    last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
+    roles = readout_roles(model, module_name, primals, last_dim)
+    views = {
+        n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
+        for n, d in delta.items()
+    }
+    return VjpSetup(model, out, vjp_fn, roles, module_name, views, use, strategy)
