@@ -33,21 +33,19 @@ from __future__ import annotations
 
 import bisect
 import copy
-import importlib.metadata
 import json
 import math
 import numbers
 import os
-import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
 from .atomic import atomic_write_text
-from .estimator import Grouping
 from .names import short_list
+from .record_meta import META_KEYS, default_meta, grouping_meta, library_version, optimizer_meta
 
-__all__ = ["FORMAT", "META_KEYS", "VERSION", "FSLRRecord", "optimizer_meta"]
+__all__ = ["FORMAT", "META_KEYS", "VERSION", "FSLRRecord", "grouping_meta", "optimizer_meta"]
 
 FORMAT = "fslr_func.FSLRRecord"
 """Value of the ``"format"`` key of a saved record."""
@@ -55,46 +53,7 @@ FORMAT = "fslr_func.FSLRRecord"
 VERSION = 1
 """Newest file format version this module reads and the one it writes."""
 
-META_KEYS = (
-    "base_lr",
-    "optimizer",
-    "optimizer_hparams",
-    "estimator",
-    "beta",
-    "samples",
-    "seed",
-    "shapes",
-    "model",
-    "library_version",
-    "schedule",
-)
-"""Metadata keys every record carries (missing ones are filled with defaults, mostly ``None``)."""
-
 _FIELDS = ("steps", "fslr", "lrs", "sched", "meta")
-
-
-def _library_version() -> str:
-    try:
-        return importlib.metadata.version("fslr_func")
-    except importlib.metadata.PackageNotFoundError:
-        version = getattr(sys.modules.get("fslr_func"), "__version__", None)
-        return str(version) if version is not None else "unknown"
-
-
-def _default_meta() -> dict[str, Any]:
-    return {
-        "base_lr": None,
-        "optimizer": None,
-        "optimizer_hparams": {},
-        "estimator": None,
-        "beta": None,
-        "samples": None,
-        "seed": None,
-        "shapes": {},
-        "model": None,
-        "library_version": _library_version(),
-        "schedule": None,
-    }
 
 
 def _is_int(x: object) -> bool:
@@ -133,73 +92,6 @@ def _series(table: object, what: str, n: int, *, nonneg: bool) -> dict[str, list
             raise ValueError(f"{what} keys must be tensor names (str), got {name!r}")
         out[name] = _float_list(values, f"{what}[{name!r}]", n, nonneg=nonneg)
     return out
-
-
-def _jsonable(obj: Any) -> Any:
-    """Best-effort JSON-able copy (tuples -> lists, tensors/numpy -> numbers, others -> repr)."""
-    if obj is None or isinstance(obj, (str, bool, int)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else repr(obj)
-    if isinstance(obj, Mapping):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    tolist = getattr(obj, "tolist", None)  # torch.Tensor, numpy arrays and scalars
-    if callable(tolist):
-        return _jsonable(tolist())
-    return repr(obj)
-
-
-def optimizer_meta(optimizer: Any) -> dict[str, Any]:
-    """Metadata describing a ``torch.optim`` optimiser, ready for ``FSLRRecord(meta=...)``.
-
-    Args:
-        optimizer: any object with ``defaults`` and ``param_groups`` (a ``torch.optim``
-            optimiser).
-
-    Returns:
-        ``{"optimizer": class name, "optimizer_hparams": JSON-able defaults,
-        "base_lr": lr_0}`` where ``lr_0`` is the first param group's ``initial_lr`` (set by
-        schedulers) or, failing that, its ``lr``.
-
-    Example:
-        >>> import torch
-        >>> opt = torch.optim.Adam([torch.zeros(2, requires_grad=True)], lr=0.01)
-        >>> m = optimizer_meta(opt)
-        >>> m["optimizer"], m["base_lr"], m["optimizer_hparams"]["betas"]
-        ('Adam', 0.01, [0.9, 0.999])
-    """
-    groups = list(getattr(optimizer, "param_groups", []))
-    base_lr: float | None = None
-    if groups:
-        lr = groups[0].get("initial_lr", groups[0].get("lr"))
-        base_lr = None if lr is None else float(lr)
-    defaults = dict(getattr(optimizer, "defaults", {}))
-    defaults.pop("params", None)
-    return {
-        "optimizer": type(optimizer).__name__,
-        "optimizer_hparams": _jsonable(defaults),
-        "base_lr": base_lr,
-    }
-
-
-def grouping_meta(grouping: Grouping) -> str:
-    """``grouping`` as stored in ``record.meta["grouping"]``: a name as is, a callable marked.
-
-    A callable grouping cannot be saved, so it is stored as ``"callable:"`` and its qualified
-    name; FLeRM compares groupings by these strings.
-
-    Example:
-        >>> def by_kernel(name, shape):
-        ...     return None
-        >>> grouping_meta("auto"), grouping_meta(by_kernel)
-        ('auto', 'callable:by_kernel')
-    """
-    if isinstance(grouping, str):
-        return grouping
-    name = getattr(grouping, "__qualname__", None) or type(grouping).__qualname__
-    return f"callable:{name}"
 
 
 @dataclass
@@ -262,7 +154,7 @@ class FSLRRecord:
             sched = _float_list(self.sched, "sched", n, nonneg=True)
         if not isinstance(self.meta, Mapping):
             raise ValueError(f"meta must be a dict, got {type(self.meta).__name__}")
-        meta = _default_meta()
+        meta = default_meta()
         meta.update(self.meta)
         shapes = meta["shapes"] if meta["shapes"] is not None else {}
         if not isinstance(shapes, Mapping):
@@ -507,7 +399,7 @@ class FSLRRecord:
         if version > VERSION:
             raise ValueError(
                 f"{source} has FSLRRecord format version {version}, but this fslr_func "
-                f"({_library_version()}) reads versions up to {VERSION}: upgrade fslr_func"
+                f"({library_version()}) reads versions up to {VERSION}: upgrade fslr_func"
             )
         if version < 1:
             raise ValueError(f"{source} has an unknown FSLRRecord format version {version}")
