@@ -214,6 +214,34 @@ def check_delta(
         )
 
 
+def check_single_process(model: nn.Module) -> None:
+    """Refuse models whose one-process probe would silently measure the wrong thing.
+
+    A ``DistributedDataParallel`` module holds only this rank's shard of each batch, so a
+    one-process probe of it measures the shard, not the batch; an FSDP2 module
+    (``fully_shard``) holds DTensor shards of its parameters, which ``functional_call`` cannot
+    differentiate as a whole.
+
+    Raises:
+        ValueError: ``model`` is a ``DistributedDataParallel`` module.
+        NotImplementedError: ``model`` has DTensor (FSDP2-sharded) parameters.
+    """
+    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+        raise ValueError(
+            "the model is a DistributedDataParallel module: a one-process probe would measure "
+            "only this rank's shard of the batch. Use fslr_func.distributed.estimate/probe on "
+            "every rank (the global batch's FSLRs), ff.with_fslr(ddp_model) in training, or "
+            "pass model.module to measure this rank's shard on purpose"
+        )
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()):
+        raise NotImplementedError(
+            "the model's parameters are DTensors (sharded with FSDP2 fully_shard): probing "
+            "sharded parameters is not supported yet. Probe an unsharded copy of the model, "
+            "or record the base run without FSDP"
+        )
+
+
 def evaluation_point(
     model: nn.Module, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
 ) -> tuple[ModuleTensors, dict[str, Tensor]]:
@@ -224,8 +252,10 @@ def evaluation_point(
 
     Raises:
         ValueError: a name in ``delta`` or ``params`` that is not a trainable parameter, or a
-            shape that differs from the parameter's.
+            shape that differs from the parameter's; a DDP module (:func:`check_single_process`).
+        NotImplementedError: FSDP2-sharded parameters.
     """
+    check_single_process(model)
     tensors = ModuleTensors.of(model)
     check_delta(delta, tensors)
     point = dict(tensors.trainable)

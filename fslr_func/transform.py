@@ -41,7 +41,7 @@ from .estimator import (
     log_sq_norm,
     mean_log_stats,
 )
-from .functional import Inputs
+from .functional import Inputs, check_single_process
 from .options import ProbeOptions
 from .probe import GradientReduction, run_probe
 
@@ -124,6 +124,7 @@ class FSLRModule(nn.Module):
         check_estimator(estimator)
         self.options = ProbeOptions(**options)
         self.ema = EMA(beta)
+        check_single_process(model)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 f"{type(model).__name__} has no trainable parameters: nothing to measure"

@@ -281,3 +281,40 @@ def test_with_fslr_local_and_data_parallel() -> None:
         opt.step()
     assert sorted(fm.fslr()) == sorted(n for n, _ in model.named_parameters())
     assert not fm.eval().ddp.training  # type: ignore[union-attr]
+
+
+def _one_process_group(port: int) -> None:
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=0,
+        world_size=1,
+        timeout=timedelta(seconds=30),
+    )
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_one_process_functions_refuse_ddp_and_fsdp2_models() -> None:
+    """A DDP module probed in one process would measure this rank's shard (two ranks differed
+    30x); FSDP2 parameters are DTensors the probe cannot differentiate: both raise, never a
+    silently wrong or zero FSLR."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _one_process_group(_free_port())
+    try:
+        x = torch.randn(4, 3)
+        ddp = DistributedDataParallel(nn.Linear(3, 2))
+        delta = {n: torch.ones_like(p) for n, p in ddp.named_parameters()}
+        for fn in (ff.estimate, ff.exact):
+            with pytest.raises(ValueError, match=r"fslr_func\.distributed"):
+                fn(ddp, x, delta)
+        sharded = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+        fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
+        delta = {n: torch.ones(p.shape) for n, p in sharded.named_parameters()}
+        with pytest.raises(NotImplementedError, match="FSDP2"):
+            ff.estimate(sharded, x, delta)
+        with pytest.raises(NotImplementedError, match="FSDP2"):
+            ff.with_fslr(sharded)
+    finally:
+        dist.destroy_process_group()
