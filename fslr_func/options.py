@@ -38,7 +38,7 @@ __all__ = [
 
 OmegaKind = Literal["gaussian", "rademacher"]
 """Distribution of the omega entries: Gaussian (the paper's) or Rademacher (lower variance)."""
-Strategy = Literal["auto", "vmap", "loop", "autograd"]
+Strategy = Literal["auto", "vmap", "loop", "autograd", "timed"]
 """How the vjp is applied to the samples (see :class:`ProbeOptions`)."""
 OMEGAS: tuple[str, ...] = get_args(OmegaKind)
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
@@ -66,9 +66,12 @@ class ProbeOptions:
         readout: ``"auto"`` (detect the readout layer), a module name, or ``None`` (no
             readout variants).
         chunk_size: samples per vmap call (peak memory grows with it); ``None``: all at once.
-        strategy: ``"auto"`` (time vmap against a loop on the first chunk and keep the
-            faster; fall back where a path fails), ``"vmap"``, ``"loop"`` or ``"autograd"``
-            (plain ``torch.autograd.grad``, for models torch.func cannot trace).
+        strategy: ``"auto"`` (vmap, or a loop for conv nets on CPU: decided from the model
+            and device, so reruns agree bit for bit; falls back, with one warning, where a
+            path fails), ``"vmap"``, ``"loop"``, ``"autograd"`` (plain
+            ``torch.autograd.grad``, for models torch.func cannot trace) or ``"timed"`` (time
+            vmap against the loop on the first chunk and keep the faster: may differ from run
+            to run in path and rounding; falls back as ``"auto"`` does).
         grouping: Kronecker factors of tensors of rank 3 or more
             (:func:`fslr_func.estimator.grouped_shape`): ``"auto"``, ``"dims"``, ``"matrix"``
             or a callable ``(name, shape) -> view shape``.

@@ -8,10 +8,11 @@ log statistics of ``Z = dW * g`` (:func:`fslr_func.estimator.log_statistics`), s
 statistics leave the per-sample function. With ``strategy="vmap"`` the samples go through
 :func:`torch.func.vmap` in chunks of ``chunk_size`` (peak memory grows with the chunk, not
 with ``S``); ``"loop"`` applies ``vjp_fn`` once per sample; ``"autograd"`` uses plain
-``torch.autograd.grad`` for models that torch.func cannot trace. ``"auto"`` times both on the
-first chunk (one sample by loop, a few by vmap: on CPU vmap wins on small models, where
-per-sample dispatch dominates, and loses on large ones and conv nets) and keeps the faster for
-the rest; it also falls back, with one warning, when a path fails.
+``torch.autograd.grad`` for models that torch.func cannot trace. ``"auto"`` (the default)
+picks vmap, or the loop for conv nets on CPU, from the model and the device
+(:func:`fslr_func.vjp.default_strategy`), so reruns take the same path and agree bit for bit;
+``"timed"`` times both on the first chunk and keeps the faster. Both fall back, with one
+warning, when a path fails.
 
 A probe whose batch is split over processes is the same loop (:func:`run_probe`) with a
 :class:`GradientReduction` hook (:mod:`fslr_func.distributed`): it says which slice of each
@@ -251,9 +252,9 @@ def probe(
         model: any module; it is not mutated (buffers are cloned, parameters substituted).
         inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
         delta: parameter name -> unit-learning-rate update (names of ``named_parameters()``).
-        generator: draws omega; a seeded generator reproduces the result (bit for bit with
-            a fixed ``strategy``; ``"auto"`` may pick vmap or the loop from run to run, which
-            agree to float rounding).
+        generator: draws omega; a seeded generator reproduces the result bit for bit (with
+            ``strategy="timed"`` to float rounding: it may pick vmap or the loop from run to
+            run).
         params: values to evaluate the gradient at (e.g. the weights before an optimiser
             step); defaults to the module's current parameters. Partial dicts are fine.
         **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`):

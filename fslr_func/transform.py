@@ -106,8 +106,8 @@ class FSLRModule(nn.Module):
 
     Attributes:
         options: the validated probe options.
-        resolved_strategy: what ``strategy="auto"`` resolved to on the first probe (timing,
-            fallbacks), reused by later probes.
+        resolved_strategy: the path the first probe took (``"auto"`` resolved, ``"timed"``
+            timed, or a fallback), reused by later probes and saved in the state.
     """
 
     def __init__(

@@ -4,7 +4,8 @@
 :func:`torch.func.vjp` (or plain autograd where torch.func cannot trace the model), detecting
 the readout layer on the way; :meth:`VjpSetup.map_samples` applies a per-sample function built
 on the returned ``vjp_fn`` to every row of a batch of omegas, by :func:`torch.func.vmap` or by a
-loop (``strategy="auto"`` times the two on the first call and keeps the faster). The probe
+loop (``strategy="auto"`` picks one from the model and device, the same on every run;
+``"timed"`` times the two on the first call and keeps the faster). The probe
 (:mod:`fslr_func.probe`) is built on the two.
 
 Example:
@@ -50,7 +51,26 @@ __all__ = ["TIMED_VMAP_ROWS", "SampleFn", "VjpFn", "VjpSetup", "prepare_vjp"]
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
 SampleFn = Callable[[Tensor], dict[str, Tensor]]
 TIMED_VMAP_ROWS = 3
-"""Samples vmapped while ``strategy="auto"`` times vmap against the loop on a first chunk."""
+"""Samples vmapped while ``strategy="timed"`` times vmap against the loop on a first chunk."""
+
+
+def default_strategy(model: nn.Module, output: Tensor) -> str:
+    """What ``strategy="auto"`` runs: a function of the model and the device, never of timing.
+
+    ``"vmap"`` batches the samples' backward passes into one (on CPU it removes the
+    per-sample dispatch that dominates small models; on a GPU it fills the device), except for
+    convolutional networks on CPU, whose batched convolution backward is slower there than a
+    loop (``docs/concepts.md``), which get ``"loop"``. Two runs of the same set-up therefore
+    take the same path and agree bit for bit.
+
+    Example:
+        >>> default_strategy(torch.nn.Linear(2, 2), torch.zeros(2))
+        'vmap'
+        >>> default_strategy(torch.nn.Conv1d(1, 1, 3), torch.zeros(2))
+        'loop'
+    """
+    convolutional = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
+    return "loop" if convolutional and output.device.type == "cpu" else "vmap"
 
 
 def _func_vjp(
@@ -97,8 +117,9 @@ class VjpSetup:
         readout: readout tensor names -> ``"weight"`` or ``"bias"``.
         readout_module: the readout module's name, or ``None``.
         views: tensor name -> the shape ``Z`` is viewed as before its statistics (grouping).
-        strategy: ``"autograd"`` if the forward fell back to plain autograd, else the request.
-        requested: the strategy asked for (``"auto"`` allows fallbacks and timing).
+        strategy: the path the samples take: ``"vmap"``, ``"loop"``, ``"autograd"`` (the
+            forward fell back to plain autograd) or ``"timed"`` (undecided until the first call).
+        requested: the strategy asked for (``"auto"`` and ``"timed"`` allow fallbacks).
     """
 
     model: nn.Module
@@ -114,13 +135,13 @@ class VjpSetup:
         """``fn`` applied to every row of ``omegas``, results stacked along a new dim 0.
 
         ``"vmap"`` batches the rows through :func:`torch.func.vmap`; ``"loop"`` and
-        ``"autograd"`` call ``fn`` row by row. ``"auto"`` times the two on the first call
+        ``"autograd"`` call ``fn`` row by row. ``"timed"`` times the two on the first call
         (row 0 by loop, the next :data:`TIMED_VMAP_ROWS` rows by vmap, so no row is computed
         twice), keeps the faster per row and runs the remaining rows with it; a vmap that
         fails falls back to the loop with one warning. The choice made is left in
         :attr:`strategy` for later calls and probes.
         """
-        if self.strategy == "auto":
+        if self.strategy == "timed":
             if len(omegas) < 2:
                 return self._loop(fn, omegas)
             start = time.perf_counter()
@@ -129,7 +150,7 @@ class VjpSetup:
             timed = omegas[1 : 1 + TIMED_VMAP_ROWS]
             start = time.perf_counter()
             parts.append(self._vmap(fn, timed))
-            if self.strategy == "auto":  # vmap worked: keep the faster path
+            if self.strategy == "timed":  # vmap worked: keep the faster path
                 per_row_vmap = (time.perf_counter() - start) / len(timed)
                 self.strategy = "vmap" if per_row_vmap < per_row_loop else "loop"
             rest = omegas[1 + len(timed) :]
@@ -175,7 +196,8 @@ def prepare_vjp(
     Only the tensors in ``delta`` are differentiated; the other parameters, frozen parameters
     and cloned buffers are constants. The forward runs under :func:`torch.func.vjp`, or under
     plain autograd when ``options.strategy="autograd"`` or when torch.func cannot trace the
-    model and the strategy is ``"auto"`` (one warning). The readout layer is detected during
+    model and the strategy is ``"auto"`` or ``"timed"`` (one warning); ``"auto"`` then
+    resolves to :func:`default_strategy`. The readout layer is detected during
     this forward. Arguments are those of :func:`fslr_func.probe.run_probe`.
     """
     tensors, point = evaluation_point(model, delta, params)
@@ -207,12 +229,12 @@ def prepare_vjp(
             raise NotImplementedError("autograd requested")
         out, vjp_fn = _func_vjp(flat_output, primals)
     except (RuntimeError, NotImplementedError) as err:
-        if strategy not in ("auto", "autograd"):
+        if strategy not in ("auto", "timed", "autograd"):
             raise
         found.clear()
         out_shape.clear()
         out, vjp_fn = _autograd_vjp(flat_output, primals, lambda: substituted(model, last_state[0]))
-        if strategy == "auto":
+        if strategy != "autograd":
             warn_once(
                 model,
                 "autograd",
@@ -229,4 +251,6 @@ def prepare_vjp(
         n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
         for n, d in delta.items()
     }
+    if use == "auto":
+        use = default_strategy(model, out)
     return VjpSetup(model, out, vjp_fn, roles, module_name, views, use, strategy)

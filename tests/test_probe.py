@@ -253,14 +253,29 @@ def test_a_seeded_generator_reproduces_the_estimate_bit_for_bit(strategy):
 
     a, b = run(strategy), run(strategy)
     assert all(torch.equal(a[n], b[n]) for n in a)
-    # "auto" picks one of the two by timing: the same numbers up to float rounding.
-    auto = run("auto")
+    # "timed" picks one of the two by timing: the same numbers up to float rounding.
+    timed = run("timed")
     for n in a:
-        torch.testing.assert_close(auto[n], a[n], rtol=1e-5, atol=0)
+        torch.testing.assert_close(timed[n], a[n], rtol=1e-5, atol=0)
+
+
+def test_auto_is_deterministic_vmap_for_mlps_and_a_loop_for_conv_nets_on_cpu():
+    """The default decides from the model and the device, never by timing, so two runs take
+    the same path and agree bit for bit."""
+    model, x = MLP(), torch.randn(3, 5)
+    delta = random_delta(model)
+    gen = torch.Generator
+    auto = probe(model, x, delta, samples=4, generator=gen().manual_seed(5))
+    vmapped = probe(model, x, delta, samples=4, strategy="vmap", generator=gen().manual_seed(5))
+    assert auto.strategy == "vmap"
+    assert all(torch.equal(auto.log_stats[n], vmapped.log_stats[n]) for n in delta)
+    conv = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Flatten(), nn.Linear(9, 2))
+    cdelta = random_delta(conv)
+    assert probe(conv, torch.randn(4, 2, 5), cdelta, samples=2).strategy == "loop"
 
 
 @pytest.mark.parametrize("chunk_size", [None, 2])
-def test_auto_times_vmap_against_a_loop_and_keeps_the_same_numbers(chunk_size, double):
+def test_timed_times_vmap_against_a_loop_and_keeps_the_same_numbers(chunk_size, double):
     torch.manual_seed(0)
     model, x = MLP(), torch.randn(6, 5)
     delta = random_delta(model)
@@ -276,10 +291,10 @@ def test_auto_times_vmap_against_a_loop_and_keeps_the_same_numbers(chunk_size, d
             generator=torch.Generator().manual_seed(3),
         )
 
-    auto = run("auto")
-    assert auto.strategy in ("vmap", "loop")
+    timed = run("timed")
+    assert timed.strategy in ("vmap", "loop")
     reference = run("loop").log_stats
     for n in delta:
-        torch.testing.assert_close(auto.log_stats[n], reference[n], rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(timed.log_stats[n], reference[n], rtol=1e-10, atol=1e-10)
     # One sample cannot be timed both ways: a single-sample probe stays undecided.
-    assert probe(model, x, delta, samples=1).strategy == "auto"
+    assert probe(model, x, delta, samples=1, strategy="timed").strategy == "timed"

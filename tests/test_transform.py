@@ -144,14 +144,14 @@ def test_wrapper_errors_are_clear():
         pass
 
 
-def test_the_wrapper_reuses_and_checkpoints_the_strategy_auto_chose():
+def test_the_wrapper_reuses_and_checkpoints_the_strategy_timing_chose():
     torch.manual_seed(0)
-    fm = ff.with_fslr(ResMLP(), samples=3, seed=0)
-    assert fm.resolved_strategy == "auto"
+    fm = ff.with_fslr(ResMLP(), samples=3, seed=0, strategy="timed")
+    assert fm.resolved_strategy == "timed"
     delta = {n: torch.ones_like(p) for n, p in fm.module.named_parameters()}
     fm.observe(data()[0], delta)
     assert fm.resolved_strategy in ("vmap", "loop")
-    other = ff.with_fslr(ResMLP(), samples=3, seed=0)
+    other = ff.with_fslr(ResMLP(), samples=3, seed=0, strategy="timed")
     other.load_state_dict(fm.state_dict())
     assert other.resolved_strategy == fm.resolved_strategy
     pinned = ff.with_fslr(ResMLP(), samples=3, strategy="loop")
