@@ -147,7 +147,7 @@ def mean_log_stats(log_stats: Tensor) -> Tensor:
 
 
 def log_sq_norm(
-    log_e: Tensor, estimator: str = "kron", readout: ReadoutRole | None = None
+    log_e: Tensor, estimator: Estimator = "kron", readout: ReadoutRole | None = None
 ) -> Tensor:
     r"""Log of the estimated :math:`\|\Delta_W f\|^2_\mathrm{RMS}` from expected statistics.
 

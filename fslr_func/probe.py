@@ -44,7 +44,7 @@ from .estimator import (
     mean_log_stats,
 )
 from .functional import Inputs
-from .options import OMEGAS, ProbeOptions
+from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
 from .vjp import prepare_vjp
 
 if TYPE_CHECKING:
@@ -81,7 +81,7 @@ class ProbeResult:
     readout: dict[str, ReadoutRole]
     readout_module: str | None
     num_outputs: int
-    strategy: str
+    strategy: Strategy
 
     def fslr(self, estimator: Estimator = "kron") -> dict[str, Tensor]:
         """One-probe FSLR per tensor: the square root of the estimator on the sample means."""
@@ -94,7 +94,7 @@ class ProbeResult:
 
 def draw_omega(
     num: int,
-    kind: str,
+    kind: OmegaKind,
     generator: torch.Generator | None,
     device: torch.device,
     dtype: torch.dtype,

@@ -42,7 +42,7 @@ from .estimator import (
     mean_log_stats,
 )
 from .functional import Inputs, check_single_process
-from .options import ProbeOptions
+from .options import ProbeOptions, Strategy
 from .probe import GradientReduction, run_probe
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ class FSLRModule(nn.Module):
         self.module = model
         self.estimator: Estimator = estimator
         self.reduction = reduction
-        self.resolved_strategy: str = self.options.strategy
+        self.resolved_strategy: Strategy = self.options.strategy
         self.readout_roles: dict[str, ReadoutRole] = {}
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())

@@ -44,7 +44,7 @@ from .functional import (
     substituted,
     transformable_attention,
 )
-from .options import ProbeOptions
+from .options import ProbeOptions, Strategy
 
 __all__ = ["TIMED_VMAP_ROWS", "SampleFn", "VjpFn", "VjpSetup", "prepare_vjp"]
 
@@ -54,7 +54,7 @@ TIMED_VMAP_ROWS = 3
 """Samples vmapped while ``strategy="timed"`` times vmap against the loop on a first chunk."""
 
 
-def default_strategy(model: nn.Module, output: Tensor) -> str:
+def default_strategy(model: nn.Module, output: Tensor) -> Strategy:
     """What ``strategy="auto"`` runs: a function of the model and the device, never of timing.
 
     ``"vmap"`` batches the samples' backward passes into one (on CPU it removes the
@@ -128,7 +128,7 @@ class VjpSetup:
     readout: dict[str, ReadoutRole]
     readout_module: str | None
     views: dict[str, tuple[int, ...]]
-    strategy: str
+    strategy: Strategy
     requested: str
 
     def map_samples(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
@@ -223,7 +223,7 @@ def prepare_vjp(
         out_shape.append(out.shape)
         return out.reshape(-1)
 
-    use: str = strategy
+    use: Strategy = strategy
     try:
         if strategy == "autograd":
             raise NotImplementedError("autograd requested")

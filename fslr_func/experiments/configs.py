@@ -31,6 +31,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fslr_func.flerm import Mode
 from fslr_func.options import STRATEGIES, Strategy
 
 __all__ = [
@@ -167,7 +168,7 @@ class SweepConfig:
     samples: int = 8
     warmup_samples: int = 40
     every: int = 10
-    flerm_mode: str = "static"
+    flerm_mode: Mode = "static"
     modes: tuple[str, ...] = MODES
     strategy: Strategy = "vmap"
 
