@@ -61,31 +61,28 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import contextlib
-import functools
 import json
 import math
 import multiprocessing
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
 
 from ..atomic import write_json
 from ..flerm import FLeRM
-from ..functional import Inputs, OutputFn
 from ..policies import Policy
 from ..record import FSLRRecord
 from ..recorder import Recorder
 from ..transform import with_fslr
-from .configs import MODES, ConfigError, SweepConfig, lr_key, scale_key
-from .train import LossFn, last_mean, lm_loss, train
+from .configs import MODES, SweepConfig, lr_key, scale_key
+from .task import Task, builtin_task
+from .train import last_mean, train
 
 __all__ = [
     "RUN_FORMAT",
@@ -106,150 +103,6 @@ __all__ = [
 RUN_FORMAT = "fslr_func.sweep.run"
 """Value of the ``"format"`` key of a cached run file."""
 _RUN_VERSION = 1
-_PROBE_SEED_OFFSET = 1_000_003
-
-
-# ---------------------------------------------------------------------------------- the task
-
-
-@dataclass(frozen=True)
-class Task:
-    """What a sweep trains: a model family indexed by scale, its data and its loss.
-
-    Attributes:
-        name: identifies the task in the cache fingerprint: change it when the model or the
-            data change, or cached runs of the old task are reused.
-        build: ``build(scale, seed) -> nn.Module``; torch's global RNG is seeded with ``seed``
-            just before the call, so initialisation is reproducible.
-        train_batches: ``train_batches(seed)`` -> endless iterable of ``(inputs, target)``.
-        probe_batches: ``probe_batches(seed)`` -> endless iterable of probe inputs, separate
-            from the training batches (FSLR probes).
-        loss_fn: ``loss_fn(output, target)``, cross-entropy by default.
-        policy: FLeRM policy (``"identity"`` for width/init scale, ``"share_blocks"`` for
-            depth, or a callable); ``None``: the config's axis decides.
-        evaluate: optional ``evaluate(model) -> float`` run after training (e.g. test loss).
-        output_fn: maps the model output to the tensor whose FSLRs are measured.
-
-    With ``jobs > 1`` the task is sent to worker processes: its callables must be picklable
-    (module-level functions or :func:`functools.partial` of them, not lambdas).
-    """
-
-    name: str
-    build: Callable[[float, int], nn.Module]
-    train_batches: Callable[[int], Iterable[tuple[Any, Tensor]]]
-    probe_batches: Callable[[int], Iterable[Inputs]]
-    loss_fn: LossFn = F.cross_entropy
-    policy: str | Policy | None = None
-    evaluate: Callable[[nn.Module], float] | None = None
-    output_fn: OutputFn | None = None
-
-
-def _build_resmlp(
-    config: SweepConfig, in_features: int, classes: int, scale: float, seed: int
-) -> nn.Module:
-    from .models import ResMLP
-
-    return ResMLP(in_features, classes, **config.model_kwargs(scale))
-
-
-def _build_transformer(config: SweepConfig, scale: float, seed: int) -> nn.Module:
-    from .models import Transformer
-
-    kw = config.model_kwargs(scale)
-    return Transformer(
-        d_model=kw["width"],
-        n_heads=kw["width"] // 16,
-        d_ff=4 * kw["width"],
-        depth=kw["depth"],
-        seq_len=config.seq_len,
-        norm="prenorm",
-        init_scale=kw["init_scale"],
-    )
-
-
-def _class_batches(
-    x: Tensor, y: Tensor, batch_size: int, seed: int
-) -> Iterator[tuple[Tensor, Tensor]]:
-    from .data import batches
-
-    return batches(x, y, batch_size, seed)
-
-
-def _class_probes(x: Tensor, y: Tensor, batch_size: int, seed: int) -> Iterator[Tensor]:
-    from .data import batches
-
-    return (b for b, _ in batches(x, y, batch_size, seed + _PROBE_SEED_OFFSET))
-
-
-def _text_batches(
-    data: Tensor, batch_size: int, seq_len: int, seed: int
-) -> Iterator[tuple[Tensor, Tensor]]:
-    from .data import lm_batches
-
-    return lm_batches(data, batch_size, seq_len, seed)
-
-
-def _text_probes(data: Tensor, batch_size: int, seq_len: int, seed: int) -> Iterator[Tensor]:
-    from .data import lm_batches
-
-    return (b for b, _ in lm_batches(data, batch_size, seq_len, seed + _PROBE_SEED_OFFSET))
-
-
-@torch.no_grad()
-def _evaluate(inputs: Tensor, target: Tensor, loss_fn: LossFn, model: nn.Module) -> float:
-    was = model.training
-    model.eval()
-    try:
-        return float(loss_fn(model(inputs), target))
-    finally:
-        model.train(was)
-
-
-def builtin_task(config: SweepConfig) -> Task:
-    """The :class:`Task` of a built-in config: its model family on its data (loaded here).
-
-    ResMLP on ``mnist1d`` (generated locally, ``config.num_samples`` samples) or ``digits``;
-    the transformer on Python's documentation as bytes (``text``). ``evaluate`` is the loss on
-    the held-out split. Picklable, so it can be sent to worker processes.
-
-    Raises:
-        ConfigError: for an invalid config, or a batch larger than the training set.
-
-    Example:
-        >>> from fslr_func.experiments.configs import SweepConfig
-        >>> task = builtin_task(SweepConfig(data="digits", width=16))
-        >>> task.name, task.build(2, 0).width
-        ('resmlp/digits', 32)
-    """
-    from . import data
-
-    config.validate()
-    bs = config.batch_size
-    if config.model == "transformer":
-        train_bytes, test_bytes = data.split_bytes(data.pydoc_text())
-        x_test, y_test = next(data.lm_batches(test_bytes, 32, config.seq_len, generator=0))
-        return Task(
-            name=config.task_name,
-            build=functools.partial(_build_transformer, config),
-            train_batches=functools.partial(_text_batches, train_bytes, bs, config.seq_len),
-            probe_batches=functools.partial(_text_probes, train_bytes, bs, config.seq_len),
-            loss_fn=lm_loss,
-            evaluate=functools.partial(_evaluate, x_test, y_test, lm_loss),
-        )
-    split = (
-        data.mnist1d(num_samples=config.num_samples) if config.data == "mnist1d" else data.digits()
-    )
-    x, y = split.x_train, split.y_train
-    if bs > len(y):  # pragma: no cover - validate() checks it from the data set's known size
-        raise ConfigError("batch_size", f"must be at most the {len(y)} training samples, got {bs}")
-    return Task(
-        name=config.task_name,
-        build=functools.partial(_build_resmlp, config, split.in_features, split.num_classes),
-        train_batches=functools.partial(_class_batches, x, y, bs),
-        probe_batches=functools.partial(_class_probes, x, y, bs),
-        loss_fn=F.cross_entropy,
-        evaluate=functools.partial(_evaluate, split.x_test, split.y_test, F.cross_entropy),
-    )
 
 
 # ---------------------------------------------------------------------------------- one run
