@@ -60,29 +60,23 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures as cf
-import contextlib
 import json
 import math
 import multiprocessing
 import os
 import time
-import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from ..atomic import write_json
-from ..flerm import FLeRM
-from ..policies import Policy
 from ..record import FSLRRecord
-from ..recorder import Recorder
-from ..transform import with_fslr
 from .configs import MODES, SweepConfig, lr_key, scale_key
+from .run import RUN_FORMAT, RUN_VERSION, RunSpec, execute, finite_or_none, grid, unusable
 from .task import Task, builtin_task
-from .train import last_mean, train
 
 __all__ = [
     "RUN_FORMAT",
@@ -99,142 +93,6 @@ __all__ = [
     "run_sweep",
     "summarise",
 ]
-
-RUN_FORMAT = "fslr_func.sweep.run"
-"""Value of the ``"format"`` key of a cached run file."""
-_RUN_VERSION = 1
-
-
-# ---------------------------------------------------------------------------------- one run
-
-
-class RunSpec(NamedTuple):
-    """One run of a sweep.
-
-    Example:
-        >>> RunSpec("flerm", 8.0, 2.0**-10, 1).key
-        'flerm_scale=8_lr=0.0009765625_seed=1'
-    """
-
-    mode: str
-    scale: float
-    lr: float
-    seed: int
-
-    @property
-    def key(self) -> str:
-        """File-name key: ``<mode>_scale=<s>_lr=<lr>_seed=<k>``."""
-        return f"{self.mode}_scale={scale_key(self.scale)}_lr={lr_key(self.lr)}_seed={self.seed}"
-
-
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-def _policy(task: Task, config: SweepConfig) -> str | Policy:
-    return config.policy if task.policy is None else task.policy
-
-
-def execute(
-    task: Task,
-    config: SweepConfig,
-    spec: RunSpec,
-    base: FSLRRecord | None = None,
-    *,
-    record: bool = False,
-) -> tuple[dict[str, Any], FSLRRecord | None]:
-    """Train one run; a pure function of its arguments.
-
-    Args:
-        task: model, data and loss.
-        config: budget (``steps``, ``last``) and FSLR settings (``samples``,
-            ``warmup_samples``, ``every``).
-        spec: mode, scale, learning rate and seed.
-        base: the base record of ``spec.lr`` (FLeRM mode only).
-        record: in standard mode, record the run's FSLRs (the base runs).
-
-    Returns:
-        The run's result (JSON-able: ``loss`` is the mean of the last ``config.last`` losses,
-        ``None`` if it diverged; ``losses``, ``test_loss``, ``seconds`` and, for FLeRM, the
-        per-tensor ``flerm`` rates set) and the record (or ``None``).
-    """
-    if spec.mode not in MODES:
-        raise ValueError(f"unknown mode {spec.mode!r}; choose one of {MODES}")
-    if spec.mode == "flerm" and base is None:
-        raise ValueError("a FLeRM run needs the base record of its learning rate")
-    start = time.perf_counter()
-    torch.manual_seed(spec.seed)
-    model = task.build(spec.scale, spec.seed)
-    fm = with_fslr(
-        model,
-        samples=config.samples,
-        seed=spec.seed,
-        output_fn=task.output_fn,
-        strategy=config.strategy,
-    )
-    opt = torch.optim.Adam(fm.parameters(), lr=spec.lr)
-    probes = task.probe_batches(spec.seed)
-    around: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None
-    recorder: Recorder | None = None
-    flerm: FLeRM | None = None
-    if spec.mode == "flerm":
-        assert base is not None
-        flerm = FLeRM(
-            fm,
-            opt,
-            base,
-            probe_batches=probes,
-            policy=_policy(task, config),
-            mode="periodic" if config.flerm_mode == "periodic" else "static",
-            every=config.every,
-            warmup_samples=config.warmup_samples,
-        )
-        ctl = flerm
-        around = lambda t: ctl.step()  # noqa: E731
-    elif record:
-        recorder = Recorder(
-            fm,
-            probes,
-            warmup_samples=config.warmup_samples,
-            every=config.every,
-            meta={"seed": spec.seed, "scale": spec.scale, "lr": spec.lr},
-        )
-        rec = recorder
-        around = lambda t: rec.step(opt)  # noqa: E731
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        losses = train(
-            fm, task.train_batches(spec.seed), opt, config.steps, task.loss_fn, around_step=around
-        )
-        loss = last_mean(losses, config.last) if len(losses) == config.steps else math.inf
-        test_loss = None
-        if task.evaluate is not None and math.isfinite(loss):
-            test_loss = _finite_or_none(float(task.evaluate(model)))
-    result: dict[str, Any] = {
-        "format": RUN_FORMAT,
-        "version": _RUN_VERSION,
-        "key": spec.key,
-        "mode": spec.mode,
-        "scale": spec.scale,
-        "lr": spec.lr,
-        "seed": spec.seed,
-        "loss": _finite_or_none(loss),
-        "test_loss": test_loss,
-        "losses": [_finite_or_none(v) for v in losses],
-        "seconds": time.perf_counter() - start,
-        "warnings": sorted({str(w.message) for w in caught})[:5],
-    }
-    if flerm is not None and flerm.history:
-        point = flerm.history[0]
-        result["flerm"] = {
-            "step": point.step,
-            "lrs": point.lrs,
-            "fslr": point.fslr,
-            "targets": point.targets,
-            "held": list(point.held),
-            "set_points": [p.step for p in flerm.history],
-        }
-    return result, None if recorder is None else recorder.record
 
 
 # ---------------------------------------------------------------------------------- cache
@@ -271,7 +129,7 @@ def _load_record(path: Path) -> FSLRRecord | None:
 def _valid_run(data: Any, spec: RunSpec, fingerprint: str, seeds: list[int]) -> bool:
     if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
         return False
-    if data.get("version") != _RUN_VERSION or data.get("fingerprint") != fingerprint:
+    if data.get("version") != RUN_VERSION or data.get("fingerprint") != fingerprint:
         return False
     if data.get("key") != spec.key:
         return False
@@ -388,41 +246,6 @@ class _Progress:
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def grid(config: SweepConfig) -> list[RunSpec]:
-    """Every run of a config, in a stable order.
-
-    Example:
-        >>> from fslr_func.experiments.configs import SweepConfig
-        >>> len(grid(SweepConfig(scales=(1, 2), lrs=(0.1, 0.2, 0.3), seeds=2)))
-        24
-    """
-    return [
-        RunSpec(mode, scale, lr, seed)
-        for mode in config.modes
-        for scale in config.scales
-        for lr in config.lrs
-        for seed in range(config.seeds)
-    ]
-
-
-def _unusable(spec: RunSpec) -> dict[str, Any]:
-    """The result of a FLeRM run whose base runs all diverged before their first estimate."""
-    return {
-        "format": RUN_FORMAT,
-        "version": _RUN_VERSION,
-        "key": spec.key,
-        "mode": spec.mode,
-        "scale": spec.scale,
-        "lr": spec.lr,
-        "seed": spec.seed,
-        "loss": None,
-        "test_loss": None,
-        "losses": [],
-        "seconds": 0.0,
-        "warnings": ["no base record: every base run of this learning rate diverged"],
-    }
 
 
 def run_sweep(
@@ -566,7 +389,7 @@ def run_sweep(
                 spec = ready.pop()
                 args = args_of(spec)
                 if args is None:
-                    finish(spec, _unusable(spec), None)
+                    finish(spec, unusable(spec), None)
                 else:
                     assert task is not None
                     result, rec = execute(task, config, spec, args[0], record=args[1])
@@ -587,7 +410,7 @@ def run_sweep(
                             spec = ready.pop()
                             args = args_of(spec)
                             if args is None:
-                                finish(spec, _unusable(spec), None)
+                                finish(spec, unusable(spec), None)
                                 continue
                             b = None if args[0] is None else args[0].to_dict()
                             flying[pool.submit(_work, spec, b, args[1])] = spec
@@ -681,7 +504,7 @@ def summarise(
                     else None
                 )
             sk = scale_key(scale)
-            table[sk] = [_finite_or_none(v) for v in scores]
+            table[sk] = [finite_or_none(v) for v in scores]
             i = min(range(len(scores)), key=scores.__getitem__)
             found = math.isfinite(scores[i])
             best_lr[sk] = config.lrs[i] if found else None
