@@ -60,11 +60,10 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures as cf
-import json
 import multiprocessing
 import os
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -73,8 +72,9 @@ import torch
 
 from ..atomic import write_json
 from ..record import FSLRRecord
-from .configs import SweepConfig, lr_key
-from .run import RUN_FORMAT, RUN_VERSION, RunSpec, execute, grid, unusable
+from .cache import SweepCache, load_runs, mean_record
+from .configs import SweepConfig
+from .run import RUN_FORMAT, RunSpec, execute, grid, unusable
 from .summary import format_table, summarise
 from .task import Task, builtin_task
 
@@ -93,82 +93,6 @@ __all__ = [
     "run_sweep",
     "summarise",
 ]
-
-
-# ---------------------------------------------------------------------------------- cache
-
-
-def _read_json(path: Path) -> Any:
-    """The JSON document at ``path``, or ``None`` if missing or unreadable (a damaged cache
-    entry is simply re-run)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _run_path(out: Path, spec: RunSpec) -> Path:
-    return out / "runs" / f"{spec.key}.json"
-
-
-def _record_path(out: Path, lr: float, seed: int) -> Path:
-    return out / "records" / f"lr={lr_key(lr)}_seed={seed}.json"
-
-
-def _mean_path(out: Path, lr: float) -> Path:
-    return out / "records" / f"lr={lr_key(lr)}_mean.json"
-
-
-def _load_record(path: Path) -> FSLRRecord | None:
-    try:
-        return FSLRRecord.load(path)
-    except (OSError, ValueError):
-        return None
-
-
-def _valid_run(data: Any, spec: RunSpec, fingerprint: str, seeds: list[int]) -> bool:
-    if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
-        return False
-    if data.get("version") != RUN_VERSION or data.get("fingerprint") != fingerprint:
-        return False
-    if data.get("key") != spec.key:
-        return False
-    return spec.mode != "flerm" or data.get("base_seeds") == seeds
-
-
-def mean_record(records: Iterable[FSLRRecord]) -> FSLRRecord | None:
-    """Mean over seeds of the base records of one learning rate, on their common steps.
-
-    A diverged base run stops early (fewer rows) and one without a finite estimate has none;
-    the mean uses the steps all non-empty records share. ``None`` if no record has a row.
-
-    Example:
-        >>> a = FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 2.0]}, meta={"seed": 0})
-        >>> b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1})
-        >>> m = mean_record([a, b])
-        >>> m.steps, m.fslr, m.meta["seed"]
-        ([0], {'w': [2.0]}, [0, 1])
-    """
-    recs = [r for r in records if len(r)]
-    if not recs:
-        return None
-    common = set(recs[0].steps)
-    for r in recs[1:]:
-        common &= set(r.steps)
-    if not common:
-        return None
-
-    def cut(r: FSLRRecord) -> FSLRRecord:
-        rows = [i for i, s in enumerate(r.steps) if s in common]
-        return FSLRRecord(
-            steps=[r.steps[i] for i in rows],
-            fslr={n: [v[i] for i in rows] for n, v in r.fslr.items()},
-            lrs={n: [v[i] for i in rows] for n, v in r.lrs.items()},
-            sched=[r.sched[i] for i in rows],
-            meta=r.meta,
-        )
-
-    return FSLRRecord.mean(cut(r) for r in recs)
 
 
 # ---------------------------------------------------------------------------------- workers
@@ -290,38 +214,27 @@ def run_sweep(
         raise ValueError(f"threads must be None or a positive integer, got {threads!r}")
     task_name = config.task_name if task is None else task.name
     out = Path(out)
-    (out / "records").mkdir(parents=True, exist_ok=True)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    fingerprint = config.fingerprint({"task": task_name})
-    write_json(
-        out / "sweep.json",
-        {"config": config.to_dict(), "task": task_name, "fingerprint": fingerprint},
-    )
-    seeds = list(range(config.seeds))
+    cache = SweepCache.create(out, config, task_name)
+    seeds = cache.seeds
     base = config.base_scale
-
-    def have_record(lr: float, seed: int) -> bool:
-        rec = _load_record(_record_path(out, lr, seed))
-        return rec is not None and rec.meta.get("fingerprint") == fingerprint
 
     runs: dict[str, dict[str, Any]] = {}
     todo: list[RunSpec] = []
     for spec in grid(config):
-        data = _read_json(_run_path(out, spec))
-        ok = _valid_run(data, spec, fingerprint, seeds)
-        if ok and spec.mode == "standard" and spec.scale == base:
-            ok = have_record(spec.lr, spec.seed)
-        if ok:
-            runs[spec.key] = data
-        else:
+        data = cache.run(spec)
+        if data is not None and spec.mode == "standard" and spec.scale == base:
+            data = data if cache.has_record(spec.lr, spec.seed) else None
+        if data is None:
             todo.append(spec)
+        else:
+            runs[spec.key] = data
     todo_keys = {s.key for s in todo}
     # base recordings needed by FLeRM runs, when the standard base run is not itself to do
     recordings = [
         RunSpec("standard", base, lr, seed)
         for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
         for seed in seeds
-        if not have_record(lr, seed)
+        if not cache.has_record(lr, seed)
     ]
     extra = [s for s in recordings if s.key not in todo_keys]
 
@@ -332,16 +245,6 @@ def run_sweep(
     missing_records = {(s.lr, s.seed) for s in ready if s.mode == "standard" and s.scale == base}
 
     executed: list[str] = []
-    means: dict[float, FSLRRecord | None] = {}
-
-    def base_for(lr: float) -> FSLRRecord | None:
-        if lr not in means:
-            recs = [_load_record(_record_path(out, lr, s)) for s in seeds]
-            mean = mean_record(r for r in recs if r is not None)
-            if mean is not None:
-                mean.save(_mean_path(out, lr))
-            means[lr] = mean
-        return means[lr]
 
     def release() -> None:
         for lr in list(waiting):
@@ -353,15 +256,10 @@ def run_sweep(
         return (int(spec.mode == "standard" and spec.scale == base), spec.scale)
 
     def finish(spec: RunSpec, result: dict[str, Any], rec: FSLRRecord | None) -> None:
-        result["fingerprint"] = fingerprint
-        if spec.mode == "flerm":
-            result["base_seeds"] = seeds
+        cache.store(spec, result, rec, run=spec.key in todo_keys)
         if rec is not None:
-            rec.meta["fingerprint"] = fingerprint
-            rec.save(_record_path(out, spec.lr, spec.seed))
             missing_records.discard((spec.lr, spec.seed))
         if spec.key in todo_keys:
-            write_json(_run_path(out, spec), result, parents=True)
             runs[spec.key] = result
         executed.append(spec.key)
         progress.update(spec.key)
@@ -371,7 +269,7 @@ def run_sweep(
     def args_of(spec: RunSpec) -> tuple[FSLRRecord | None, bool] | None:
         """(base record, record?) of a run, or ``None`` if it cannot run (no base record)."""
         if spec.mode == "flerm":
-            mean = base_for(spec.lr)
+            mean = cache.mean(spec.lr)
             return None if mean is None else (mean, False)
         return None, spec.scale == base
 
@@ -436,27 +334,3 @@ def run_sweep(
     summary["executed_runs"] = len(executed)
     write_json(out / "summary.json", summary, parents=True)
     return SweepResult(out, summary, runs, executed, time.perf_counter() - t0)
-
-
-# ---------------------------------------------------------------------------------- results
-
-
-def load_runs(out: str | os.PathLike[str]) -> tuple[SweepConfig, dict[str, dict[str, Any]]]:
-    """The config and cached runs of a sweep folder (runs of other fingerprints left out).
-
-    Raises:
-        FileNotFoundError: if ``out`` has no readable ``sweep.json``.
-    """
-    out = Path(out)
-    meta = _read_json(out / "sweep.json")
-    if not isinstance(meta, dict) or "config" not in meta:
-        raise FileNotFoundError(f"{out} is not a sweep folder: it has no readable sweep.json")
-    config = SweepConfig.from_dict(meta["config"])
-    fingerprint = str(meta.get("fingerprint"))
-    seeds = list(range(config.seeds))
-    runs = {}
-    for spec in grid(config):
-        data = _read_json(_run_path(out, spec))
-        if _valid_run(data, spec, fingerprint, seeds):
-            runs[spec.key] = data
-    return config, runs
