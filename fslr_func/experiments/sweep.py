@@ -36,6 +36,12 @@ depth policy) and call :func:`run_sweep` with it. With ``jobs > 1`` the runs go 
 processes started with ``spawn``: call :func:`run_sweep` under ``if __name__ == "__main__":``
 and give the task picklable callables (module-level functions, :func:`functools.partial`).
 
+This module is the orchestrator; the pieces, all re-exported here, are
+:mod:`~fslr_func.experiments.task` (what a sweep trains), :mod:`~fslr_func.experiments.run`
+(one run), :mod:`~fslr_func.experiments.cache` (the files above),
+:mod:`~fslr_func.experiments.schedule` (the order of the runs, the worker processes) and
+:mod:`~fslr_func.experiments.summary` (best learning rates, shifts, the table).
+
 Example:
     >>> import tempfile, torch
     >>> from fslr_func.experiments import batches
@@ -59,8 +65,6 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import multiprocessing
 import os
 import time
 from collections.abc import Callable
@@ -68,13 +72,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..atomic import write_json
 from ..record import FSLRRecord
 from .cache import SweepCache, load_runs, mean_record
 from .configs import SweepConfig
-from .run import RUN_FORMAT, RunSpec, execute, grid, unusable
+from .run import RUN_FORMAT, RunSpec, execute, grid
+from .schedule import Scheduler, default_jobs
 from .summary import format_table, summarise
 from .task import Task, builtin_task
 
@@ -93,39 +96,6 @@ __all__ = [
     "run_sweep",
     "summarise",
 ]
-
-
-# ---------------------------------------------------------------------------------- workers
-
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(task: Task, config: SweepConfig, threads: int) -> None:
-    torch.set_num_threads(threads)
-    _WORKER["task"], _WORKER["config"] = task, config
-
-
-def _work(
-    spec: RunSpec, base: dict[str, Any] | None, record: bool
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    base_rec = None if base is None else FSLRRecord.from_dict(base)
-    result, rec = execute(_WORKER["task"], _WORKER["config"], spec, base_rec, record=record)
-    return result, None if rec is None else rec.to_dict()
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS, Windows
-        return os.cpu_count() or 1
-
-
-def default_jobs() -> int:
-    """Worker processes used by default: the usable CPU cores, at most 8."""
-    return max(1, min(8, _cpu_count()))
-
-
-# ---------------------------------------------------------------------------------- the sweep
 
 
 @dataclass
@@ -172,6 +142,77 @@ class _Progress:
             self.bar.close()
 
 
+class _Sweep:
+    """One call of :func:`run_sweep`: the runs found in the cache, those to train, those done.
+
+    Args:
+        config: the sweep.
+        cache: its folder.
+        quiet: no progress bar.
+        on_run: called with each newly finished run's result.
+    """
+
+    def __init__(
+        self,
+        config: SweepConfig,
+        cache: SweepCache,
+        *,
+        quiet: bool,
+        on_run: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.on_run = on_run
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.executed: list[str] = []
+        base = config.base_scale
+        todo: list[RunSpec] = []
+        for spec in grid(config):
+            data = cache.run(spec)
+            if data is not None and spec.mode == "standard" and spec.scale == base:
+                data = data if cache.has_record(spec.lr, spec.seed) else None
+            if data is None:
+                todo.append(spec)
+            else:
+                self.runs[spec.key] = data
+        self.todo_keys = {s.key for s in todo}
+        # base recordings needed by FLeRM runs, when the standard base run is not itself to do
+        recordings = [
+            RunSpec("standard", base, lr, seed)
+            for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
+            for seed in cache.seeds
+            if not cache.has_record(lr, seed)
+        ]
+        #: every run to train: the grid's missing runs, then the extra base recordings
+        self.pending = todo + [s for s in recordings if s.key not in self.todo_keys]
+        self.progress = _Progress(len(self.pending), quiet)
+
+    def finish(self, spec: RunSpec, result: dict[str, Any], record: FSLRRecord | None) -> None:
+        """Cache a finished run (an extra base recording: only its record), report it."""
+        in_grid = spec.key in self.todo_keys
+        self.cache.store(spec, result, record, run=in_grid)
+        if in_grid:
+            self.runs[spec.key] = result
+        self.executed.append(spec.key)
+        self.progress.update(spec.key)
+        if self.on_run is not None:
+            self.on_run(result)
+
+    def train(self, task: Task, *, jobs: int, threads: int | None) -> None:
+        """Train the pending runs (see :class:`~fslr_func.experiments.schedule.Scheduler`)."""
+        scheduler = Scheduler(
+            self.pending,
+            base_scale=self.config.base_scale,
+            seeds=self.cache.seeds,
+            base_for=self.cache.mean,
+            finish=self.finish,
+        )
+        try:
+            scheduler.run(task, self.config, jobs=jobs, threads=threads)
+        finally:
+            self.progress.close()
+
+
 def run_sweep(
     config: SweepConfig,
     out: str | os.PathLike[str],
@@ -214,123 +255,13 @@ def run_sweep(
         raise ValueError(f"threads must be None or a positive integer, got {threads!r}")
     task_name = config.task_name if task is None else task.name
     out = Path(out)
-    cache = SweepCache.create(out, config, task_name)
-    seeds = cache.seeds
-    base = config.base_scale
-
-    runs: dict[str, dict[str, Any]] = {}
-    todo: list[RunSpec] = []
-    for spec in grid(config):
-        data = cache.run(spec)
-        if data is not None and spec.mode == "standard" and spec.scale == base:
-            data = data if cache.has_record(spec.lr, spec.seed) else None
-        if data is None:
-            todo.append(spec)
-        else:
-            runs[spec.key] = data
-    todo_keys = {s.key for s in todo}
-    # base recordings needed by FLeRM runs, when the standard base run is not itself to do
-    recordings = [
-        RunSpec("standard", base, lr, seed)
-        for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
-        for seed in seeds
-        if not cache.has_record(lr, seed)
-    ]
-    extra = [s for s in recordings if s.key not in todo_keys]
-
-    waiting: dict[float, list[RunSpec]] = {}
-    ready: list[RunSpec] = []
-    for spec in todo + extra:
-        (waiting.setdefault(spec.lr, []) if spec.mode == "flerm" else ready).append(spec)
-    missing_records = {(s.lr, s.seed) for s in ready if s.mode == "standard" and s.scale == base}
-
-    executed: list[str] = []
-
-    def release() -> None:
-        for lr in list(waiting):
-            if not any((lr, s) in missing_records for s in seeds):
-                ready.extend(waiting.pop(lr))
-
-    def priority(spec: RunSpec) -> tuple[int, float]:
-        # base recordings first (they unlock FLeRM runs), then the most expensive runs
-        return (int(spec.mode == "standard" and spec.scale == base), spec.scale)
-
-    def finish(spec: RunSpec, result: dict[str, Any], rec: FSLRRecord | None) -> None:
-        cache.store(spec, result, rec, run=spec.key in todo_keys)
-        if rec is not None:
-            missing_records.discard((spec.lr, spec.seed))
-        if spec.key in todo_keys:
-            runs[spec.key] = result
-        executed.append(spec.key)
-        progress.update(spec.key)
-        if on_run is not None:
-            on_run(result)
-
-    def args_of(spec: RunSpec) -> tuple[FSLRRecord | None, bool] | None:
-        """(base record, record?) of a run, or ``None`` if it cannot run (no base record)."""
-        if spec.mode == "flerm":
-            mean = cache.mean(spec.lr)
-            return None if mean is None else (mean, False)
-        return None, spec.scale == base
-
-    if task is None and (todo or extra):
-        task = builtin_task(config)
-    previous_threads = torch.get_num_threads()
-    progress = _Progress(len(todo) + len(extra), quiet)
-    try:
-        release()
-        if threads is not None:
-            torch.set_num_threads(threads)
-        if jobs == 1 or not ready:
-            while ready:
-                ready.sort(key=priority)
-                spec = ready.pop()
-                args = args_of(spec)
-                if args is None:
-                    finish(spec, unusable(spec), None)
-                else:
-                    assert task is not None
-                    result, rec = execute(task, config, spec, args[0], record=args[1])
-                    finish(spec, result, rec)
-                release()
-        else:
-            assert task is not None
-            per_job = threads if threads is not None else max(1, _cpu_count() // jobs)
-            ctx = multiprocessing.get_context("spawn")
-            with cf.ProcessPoolExecutor(
-                jobs, mp_context=ctx, initializer=_init_worker, initargs=(task, config, per_job)
-            ) as pool:
-                flying: dict[cf.Future[Any], RunSpec] = {}
-                try:
-                    while ready or flying:
-                        ready.sort(key=priority)
-                        while ready and len(flying) < jobs:
-                            spec = ready.pop()
-                            args = args_of(spec)
-                            if args is None:
-                                finish(spec, unusable(spec), None)
-                                continue
-                            b = None if args[0] is None else args[0].to_dict()
-                            flying[pool.submit(_work, spec, b, args[1])] = spec
-                        if not flying:
-                            release()
-                            continue
-                        done, _ = cf.wait(flying, return_when=cf.FIRST_COMPLETED)
-                        for fut in done:
-                            spec = flying.pop(fut)
-                            result, rec = fut.result()
-                            finish(spec, result, None if rec is None else FSLRRecord.from_dict(rec))
-                        release()
-                except BaseException:
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    raise
-    finally:
-        progress.close()
-        torch.set_num_threads(previous_threads)
-
-    summary = summarise(config, runs, out=out)
+    sweep = _Sweep(config, SweepCache.create(out, config, task_name), quiet=quiet, on_run=on_run)
+    if sweep.pending:
+        task = builtin_task(config) if task is None else task
+        sweep.train(task, jobs=jobs, threads=threads)
+    summary = summarise(config, sweep.runs, out=out)
     summary["task"] = task_name
     summary["wall_seconds"] = round(time.perf_counter() - t0, 2)
-    summary["executed_runs"] = len(executed)
+    summary["executed_runs"] = len(sweep.executed)
     write_json(out / "summary.json", summary, parents=True)
-    return SweepResult(out, summary, runs, executed, time.perf_counter() - t0)
+    return SweepResult(out, summary, sweep.runs, sweep.executed, time.perf_counter() - t0)
