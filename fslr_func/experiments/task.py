@@ -34,7 +34,7 @@ from .data import batches, digits, lm_batches, mnist1d, pydoc_text, split_bytes
 from .models import ResMLP, Transformer
 from .train import LossFn, lm_loss
 
-__all__ = ["Task", "builtin_task"]
+__all__ = ["Batches", "Task", "builtin_task"]
 
 _PROBE_SEED_OFFSET = 1_000_003
 
