@@ -5,7 +5,7 @@ initialisation scale; the smallest scale is the base model) for every learning r
 once with plain Adam at that learning rate (``"standard"``) and once with FLeRM driven by the
 base model's FSLRs recorded at that learning rate (``"flerm"``). A config is plain, frozen and
 JSON-able: every run of a sweep is a pure function of its config and ``(mode, scale, lr, seed)``,
-which is what makes the sweep cache (:mod:`fslr_func.experiments.sweep`) safe.
+which is what makes the sweep cache (:mod:`fslr_func.experiments.cache`) safe.
 
 :data:`DEMO` is the configuration of ``fslr demo``: change the demo here, in one place.
 
@@ -250,7 +250,7 @@ class SweepConfig:
         Args:
             builtin: also check what only matters for the built-in models and data (model,
                 data, whole widths and depths, batch size against the data set); ``False``
-                for a sweep of your own :class:`~fslr_func.experiments.sweep.Task`.
+                for a sweep of your own :class:`~fslr_func.experiments.task.Task`.
 
         Raises:
             ConfigError: naming the first invalid field.

@@ -36,6 +36,12 @@ depth policy) and call :func:`run_sweep` with it. With ``jobs > 1`` the runs go 
 processes started with ``spawn``: call :func:`run_sweep` under ``if __name__ == "__main__":``
 and give the task picklable callables (module-level functions, :func:`functools.partial`).
 
+This module is the orchestrator; the pieces, all re-exported here, are
+:mod:`~fslr_func.experiments.task` (what a sweep trains), :mod:`~fslr_func.experiments.run`
+(one run), :mod:`~fslr_func.experiments.cache` (the files above),
+:mod:`~fslr_func.experiments.schedule` (the order of the runs, the worker processes) and
+:mod:`~fslr_func.experiments.summary` (best learning rates, shifts, the table).
+
 Example:
     >>> import tempfile, torch
     >>> from fslr_func.experiments import batches
@@ -59,33 +65,21 @@ Example:
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-import contextlib
-import functools
-import json
-import math
-import multiprocessing
 import os
 import time
-import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NamedTuple
-
-import torch
-import torch.nn.functional as F
-from torch import Tensor, nn
+from typing import Any
 
 from ..atomic import write_json
-from ..flerm import FLeRM
-from ..functional import Inputs, OutputFn
-from ..policies import Policy
 from ..record import FSLRRecord
-from ..recorder import Recorder
-from ..wrap import with_fslr
-from .configs import MODES, ConfigError, SweepConfig, lr_key, scale_key
-from .train import LossFn, last_mean, lm_loss, train
+from .cache import SweepCache, load_runs, mean_record
+from .configs import SweepConfig
+from .run import RUN_FORMAT, RunSpec, execute, grid
+from .schedule import Scheduler, default_jobs
+from .summary import format_table, summarise
+from .task import Task, builtin_task
 
 __all__ = [
     "RUN_FORMAT",
@@ -102,395 +96,6 @@ __all__ = [
     "run_sweep",
     "summarise",
 ]
-
-RUN_FORMAT = "fslr_func.sweep.run"
-"""Value of the ``"format"`` key of a cached run file."""
-_RUN_VERSION = 1
-_PROBE_SEED_OFFSET = 1_000_003
-
-
-# ---------------------------------------------------------------------------------- the task
-
-
-@dataclass(frozen=True)
-class Task:
-    """What a sweep trains: a model family indexed by scale, its data and its loss.
-
-    Attributes:
-        name: identifies the task in the cache fingerprint: change it when the model or the
-            data change, or cached runs of the old task are reused.
-        build: ``build(scale, seed) -> nn.Module``; torch's global RNG is seeded with ``seed``
-            just before the call, so initialisation is reproducible.
-        train_batches: ``train_batches(seed)`` -> endless iterable of ``(inputs, target)``.
-        probe_batches: ``probe_batches(seed)`` -> endless iterable of probe inputs, separate
-            from the training batches (FSLR probes).
-        loss_fn: ``loss_fn(output, target)``, cross-entropy by default.
-        policy: FLeRM policy (``"identity"`` for width/init scale, ``"share_blocks"`` for
-            depth, or a callable); ``None``: the config's axis decides.
-        evaluate: optional ``evaluate(model) -> float`` run after training (e.g. test loss).
-        output_fn: maps the model output to the tensor whose FSLRs are measured.
-
-    With ``jobs > 1`` the task is sent to worker processes: its callables must be picklable
-    (module-level functions or :func:`functools.partial` of them, not lambdas).
-    """
-
-    name: str
-    build: Callable[[float, int], nn.Module]
-    train_batches: Callable[[int], Iterable[tuple[Any, Tensor]]]
-    probe_batches: Callable[[int], Iterable[Inputs]]
-    loss_fn: LossFn = F.cross_entropy
-    policy: str | Policy | None = None
-    evaluate: Callable[[nn.Module], float] | None = None
-    output_fn: OutputFn | None = None
-
-
-def _build_resmlp(
-    config: SweepConfig, in_features: int, classes: int, scale: float, seed: int
-) -> nn.Module:
-    from .models import ResMLP
-
-    return ResMLP(in_features, classes, **config.model_kwargs(scale))
-
-
-def _build_transformer(config: SweepConfig, scale: float, seed: int) -> nn.Module:
-    from .models import Transformer
-
-    kw = config.model_kwargs(scale)
-    return Transformer(
-        d_model=kw["width"],
-        n_heads=kw["width"] // 16,
-        d_ff=4 * kw["width"],
-        depth=kw["depth"],
-        seq_len=config.seq_len,
-        norm="prenorm",
-        init_scale=kw["init_scale"],
-    )
-
-
-def _class_batches(
-    x: Tensor, y: Tensor, batch_size: int, seed: int
-) -> Iterator[tuple[Tensor, Tensor]]:
-    from .data import batches
-
-    return batches(x, y, batch_size, seed)
-
-
-def _class_probes(x: Tensor, y: Tensor, batch_size: int, seed: int) -> Iterator[Tensor]:
-    from .data import batches
-
-    return (b for b, _ in batches(x, y, batch_size, seed + _PROBE_SEED_OFFSET))
-
-
-def _text_batches(
-    data: Tensor, batch_size: int, seq_len: int, seed: int
-) -> Iterator[tuple[Tensor, Tensor]]:
-    from .data import lm_batches
-
-    return lm_batches(data, batch_size, seq_len, seed)
-
-
-def _text_probes(data: Tensor, batch_size: int, seq_len: int, seed: int) -> Iterator[Tensor]:
-    from .data import lm_batches
-
-    return (b for b, _ in lm_batches(data, batch_size, seq_len, seed + _PROBE_SEED_OFFSET))
-
-
-@torch.no_grad()
-def _evaluate(inputs: Tensor, target: Tensor, loss_fn: LossFn, model: nn.Module) -> float:
-    was = model.training
-    model.eval()
-    try:
-        return float(loss_fn(model(inputs), target))
-    finally:
-        model.train(was)
-
-
-def builtin_task(config: SweepConfig) -> Task:
-    """The :class:`Task` of a built-in config: its model family on its data (loaded here).
-
-    ResMLP on ``mnist1d`` (generated locally, ``config.num_samples`` samples) or ``digits``;
-    the transformer on Python's documentation as bytes (``text``). ``evaluate`` is the loss on
-    the held-out split. Picklable, so it can be sent to worker processes.
-
-    Raises:
-        ConfigError: for an invalid config, or a batch larger than the training set.
-
-    Example:
-        >>> from fslr_func.experiments.configs import SweepConfig
-        >>> task = builtin_task(SweepConfig(data="digits", width=16))
-        >>> task.name, task.build(2, 0).width
-        ('resmlp/digits', 32)
-    """
-    from . import data
-
-    config.validate()
-    bs = config.batch_size
-    if config.model == "transformer":
-        train_bytes, test_bytes = data.split_bytes(data.pydoc_text())
-        x_test, y_test = next(data.lm_batches(test_bytes, 32, config.seq_len, generator=0))
-        return Task(
-            name=config.task_name,
-            build=functools.partial(_build_transformer, config),
-            train_batches=functools.partial(_text_batches, train_bytes, bs, config.seq_len),
-            probe_batches=functools.partial(_text_probes, train_bytes, bs, config.seq_len),
-            loss_fn=lm_loss,
-            evaluate=functools.partial(_evaluate, x_test, y_test, lm_loss),
-        )
-    split = (
-        data.mnist1d(num_samples=config.num_samples) if config.data == "mnist1d" else data.digits()
-    )
-    x, y = split.x_train, split.y_train
-    if bs > len(y):  # pragma: no cover - validate() checks it from the data set's known size
-        raise ConfigError("batch_size", f"must be at most the {len(y)} training samples, got {bs}")
-    return Task(
-        name=config.task_name,
-        build=functools.partial(_build_resmlp, config, split.in_features, split.num_classes),
-        train_batches=functools.partial(_class_batches, x, y, bs),
-        probe_batches=functools.partial(_class_probes, x, y, bs),
-        loss_fn=F.cross_entropy,
-        evaluate=functools.partial(_evaluate, split.x_test, split.y_test, F.cross_entropy),
-    )
-
-
-# ---------------------------------------------------------------------------------- one run
-
-
-class RunSpec(NamedTuple):
-    """One run of a sweep.
-
-    Example:
-        >>> RunSpec("flerm", 8.0, 2.0**-10, 1).key
-        'flerm_scale=8_lr=0.0009765625_seed=1'
-    """
-
-    mode: str
-    scale: float
-    lr: float
-    seed: int
-
-    @property
-    def key(self) -> str:
-        """File-name key: ``<mode>_scale=<s>_lr=<lr>_seed=<k>``."""
-        return f"{self.mode}_scale={scale_key(self.scale)}_lr={lr_key(self.lr)}_seed={self.seed}"
-
-
-def _finite_or_none(x: float) -> float | None:
-    return x if math.isfinite(x) else None
-
-
-def _policy(task: Task, config: SweepConfig) -> str | Policy:
-    return config.policy if task.policy is None else task.policy
-
-
-def execute(
-    task: Task,
-    config: SweepConfig,
-    spec: RunSpec,
-    base: FSLRRecord | None = None,
-    *,
-    record: bool = False,
-) -> tuple[dict[str, Any], FSLRRecord | None]:
-    """Train one run; a pure function of its arguments.
-
-    Args:
-        task: model, data and loss.
-        config: budget (``steps``, ``last``) and FSLR settings (``samples``,
-            ``warmup_samples``, ``every``).
-        spec: mode, scale, learning rate and seed.
-        base: the base record of ``spec.lr`` (FLeRM mode only).
-        record: in standard mode, record the run's FSLRs (the base runs).
-
-    Returns:
-        The run's result (JSON-able: ``loss`` is the mean of the last ``config.last`` losses,
-        ``None`` if it diverged; ``losses``, ``test_loss``, ``seconds`` and, for FLeRM, the
-        per-tensor ``flerm`` rates set) and the record (or ``None``).
-    """
-    if spec.mode not in MODES:
-        raise ValueError(f"unknown mode {spec.mode!r}; choose one of {MODES}")
-    if spec.mode == "flerm" and base is None:
-        raise ValueError("a FLeRM run needs the base record of its learning rate")
-    start = time.perf_counter()
-    torch.manual_seed(spec.seed)
-    model = task.build(spec.scale, spec.seed)
-    fm = with_fslr(
-        model,
-        samples=config.samples,
-        seed=spec.seed,
-        output_fn=task.output_fn,
-        strategy=config.strategy,
-    )
-    opt = torch.optim.Adam(fm.parameters(), lr=spec.lr)
-    probes = task.probe_batches(spec.seed)
-    around: Callable[[int], contextlib.AbstractContextManager[Any]] | None = None
-    recorder: Recorder | None = None
-    flerm: FLeRM | None = None
-    if spec.mode == "flerm":
-        assert base is not None
-        flerm = FLeRM(
-            fm,
-            opt,
-            base,
-            probe_batches=probes,
-            policy=_policy(task, config),
-            mode="periodic" if config.flerm_mode == "periodic" else "static",
-            every=config.every,
-            warmup_samples=config.warmup_samples,
-        )
-        ctl = flerm
-        around = lambda t: ctl.step()  # noqa: E731
-    elif record:
-        recorder = Recorder(
-            fm,
-            probes,
-            warmup_samples=config.warmup_samples,
-            every=config.every,
-            meta={"seed": spec.seed, "scale": spec.scale, "lr": spec.lr},
-        )
-        rec = recorder
-        around = lambda t: rec.step(opt)  # noqa: E731
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        losses = train(
-            fm, task.train_batches(spec.seed), opt, config.steps, task.loss_fn, around_step=around
-        )
-        loss = last_mean(losses, config.last) if len(losses) == config.steps else math.inf
-        test_loss = None
-        if task.evaluate is not None and math.isfinite(loss):
-            test_loss = _finite_or_none(float(task.evaluate(model)))
-    result: dict[str, Any] = {
-        "format": RUN_FORMAT,
-        "version": _RUN_VERSION,
-        "key": spec.key,
-        "mode": spec.mode,
-        "scale": spec.scale,
-        "lr": spec.lr,
-        "seed": spec.seed,
-        "loss": _finite_or_none(loss),
-        "test_loss": test_loss,
-        "losses": [_finite_or_none(v) for v in losses],
-        "seconds": time.perf_counter() - start,
-        "warnings": sorted({str(w.message) for w in caught})[:5],
-    }
-    if flerm is not None and flerm.history:
-        point = flerm.history[0]
-        result["flerm"] = {
-            "step": point.step,
-            "lrs": point.lrs,
-            "fslr": point.fslr,
-            "targets": point.targets,
-            "held": list(point.held),
-            "set_points": [p.step for p in flerm.history],
-        }
-    return result, None if recorder is None else recorder.record
-
-
-# ---------------------------------------------------------------------------------- cache
-
-
-def _read_json(path: Path) -> Any:
-    """The JSON document at ``path``, or ``None`` if missing or unreadable (a damaged cache
-    entry is simply re-run)."""
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-
-
-def _run_path(out: Path, spec: RunSpec) -> Path:
-    return out / "runs" / f"{spec.key}.json"
-
-
-def _record_path(out: Path, lr: float, seed: int) -> Path:
-    return out / "records" / f"lr={lr_key(lr)}_seed={seed}.json"
-
-
-def _mean_path(out: Path, lr: float) -> Path:
-    return out / "records" / f"lr={lr_key(lr)}_mean.json"
-
-
-def _load_record(path: Path) -> FSLRRecord | None:
-    try:
-        return FSLRRecord.load(path)
-    except (OSError, ValueError):
-        return None
-
-
-def _valid_run(data: Any, spec: RunSpec, fingerprint: str, seeds: list[int]) -> bool:
-    if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
-        return False
-    if data.get("version") != _RUN_VERSION or data.get("fingerprint") != fingerprint:
-        return False
-    if data.get("key") != spec.key:
-        return False
-    return spec.mode != "flerm" or data.get("base_seeds") == seeds
-
-
-def mean_record(records: Iterable[FSLRRecord]) -> FSLRRecord | None:
-    """Mean over seeds of the base records of one learning rate, on their common steps.
-
-    A diverged base run stops early (fewer rows) and one without a finite estimate has none;
-    the mean uses the steps all non-empty records share. ``None`` if no record has a row.
-
-    Example:
-        >>> a = FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 2.0]}, meta={"seed": 0})
-        >>> b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1})
-        >>> m = mean_record([a, b])
-        >>> m.steps, m.fslr, m.meta["seed"]
-        ([0], {'w': [2.0]}, [0, 1])
-    """
-    recs = [r for r in records if len(r)]
-    if not recs:
-        return None
-    common = set(recs[0].steps)
-    for r in recs[1:]:
-        common &= set(r.steps)
-    if not common:
-        return None
-
-    def cut(r: FSLRRecord) -> FSLRRecord:
-        rows = [i for i, s in enumerate(r.steps) if s in common]
-        return FSLRRecord(
-            steps=[r.steps[i] for i in rows],
-            fslr={n: [v[i] for i in rows] for n, v in r.fslr.items()},
-            lrs={n: [v[i] for i in rows] for n, v in r.lrs.items()},
-            sched=[r.sched[i] for i in rows],
-            meta=r.meta,
-        )
-
-    return FSLRRecord.mean(cut(r) for r in recs)
-
-
-# ---------------------------------------------------------------------------------- workers
-
-_WORKER: dict[str, Any] = {}
-
-
-def _init_worker(task: Task, config: SweepConfig, threads: int) -> None:
-    torch.set_num_threads(threads)
-    _WORKER["task"], _WORKER["config"] = task, config
-
-
-def _work(
-    spec: RunSpec, base: dict[str, Any] | None, record: bool
-) -> tuple[dict[str, Any], dict[str, Any] | None]:
-    base_rec = None if base is None else FSLRRecord.from_dict(base)
-    result, rec = execute(_WORKER["task"], _WORKER["config"], spec, base_rec, record=record)
-    return result, None if rec is None else rec.to_dict()
-
-
-def _cpu_count() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - macOS, Windows
-        return os.cpu_count() or 1
-
-
-def default_jobs() -> int:
-    """Worker processes used by default: the usable CPU cores, at most 8."""
-    return max(1, min(8, _cpu_count()))
-
-
-# ---------------------------------------------------------------------------------- the sweep
 
 
 @dataclass
@@ -537,39 +142,75 @@ class _Progress:
             self.bar.close()
 
 
-def grid(config: SweepConfig) -> list[RunSpec]:
-    """Every run of a config, in a stable order.
+class _Sweep:
+    """One call of :func:`run_sweep`: the runs found in the cache, those to train, those done.
 
-    Example:
-        >>> from fslr_func.experiments.configs import SweepConfig
-        >>> len(grid(SweepConfig(scales=(1, 2), lrs=(0.1, 0.2, 0.3), seeds=2)))
-        24
+    Args:
+        config: the sweep.
+        cache: its folder.
+        quiet: no progress bar.
+        on_run: called with each newly finished run's result.
     """
-    return [
-        RunSpec(mode, scale, lr, seed)
-        for mode in config.modes
-        for scale in config.scales
-        for lr in config.lrs
-        for seed in range(config.seeds)
-    ]
 
+    def __init__(
+        self,
+        config: SweepConfig,
+        cache: SweepCache,
+        *,
+        quiet: bool,
+        on_run: Callable[[dict[str, Any]], None] | None,
+    ) -> None:
+        self.config = config
+        self.cache = cache
+        self.on_run = on_run
+        self.runs: dict[str, dict[str, Any]] = {}
+        self.executed: list[str] = []
+        base = config.base_scale
+        todo: list[RunSpec] = []
+        for spec in grid(config):
+            data = cache.run(spec)
+            if data is not None and spec.mode == "standard" and spec.scale == base:
+                data = data if cache.has_record(spec.lr, spec.seed) else None
+            if data is None:
+                todo.append(spec)
+            else:
+                self.runs[spec.key] = data
+        self.todo_keys = {s.key for s in todo}
+        # base recordings needed by FLeRM runs, when the standard base run is not itself to do
+        recordings = [
+            RunSpec("standard", base, lr, seed)
+            for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
+            for seed in cache.seeds
+            if not cache.has_record(lr, seed)
+        ]
+        #: every run to train: the grid's missing runs, then the extra base recordings
+        self.pending = todo + [s for s in recordings if s.key not in self.todo_keys]
+        self.progress = _Progress(len(self.pending), quiet)
 
-def _unusable(spec: RunSpec) -> dict[str, Any]:
-    """The result of a FLeRM run whose base runs all diverged before their first estimate."""
-    return {
-        "format": RUN_FORMAT,
-        "version": _RUN_VERSION,
-        "key": spec.key,
-        "mode": spec.mode,
-        "scale": spec.scale,
-        "lr": spec.lr,
-        "seed": spec.seed,
-        "loss": None,
-        "test_loss": None,
-        "losses": [],
-        "seconds": 0.0,
-        "warnings": ["no base record: every base run of this learning rate diverged"],
-    }
+    def finish(self, spec: RunSpec, result: dict[str, Any], record: FSLRRecord | None) -> None:
+        """Cache a finished run (an extra base recording: only its record), report it."""
+        in_grid = spec.key in self.todo_keys
+        self.cache.store(spec, result, record, run=in_grid)
+        if in_grid:
+            self.runs[spec.key] = result
+        self.executed.append(spec.key)
+        self.progress.update(spec.key)
+        if self.on_run is not None:
+            self.on_run(result)
+
+    def train(self, task: Task, *, jobs: int, threads: int | None) -> None:
+        """Train the pending runs (see :class:`~fslr_func.experiments.schedule.Scheduler`)."""
+        scheduler = Scheduler(
+            self.pending,
+            base_scale=self.config.base_scale,
+            seeds=self.cache.seeds,
+            base_for=self.cache.mean,
+            finish=self.finish,
+        )
+        try:
+            scheduler.run(task, self.config, jobs=jobs, threads=threads)
+        finally:
+            self.progress.close()
 
 
 def run_sweep(
@@ -614,308 +255,13 @@ def run_sweep(
         raise ValueError(f"threads must be None or a positive integer, got {threads!r}")
     task_name = config.task_name if task is None else task.name
     out = Path(out)
-    (out / "records").mkdir(parents=True, exist_ok=True)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
-    fingerprint = config.fingerprint({"task": task_name})
-    write_json(
-        out / "sweep.json",
-        {"config": config.to_dict(), "task": task_name, "fingerprint": fingerprint},
-    )
-    seeds = list(range(config.seeds))
-    base = config.base_scale
-
-    def have_record(lr: float, seed: int) -> bool:
-        rec = _load_record(_record_path(out, lr, seed))
-        return rec is not None and rec.meta.get("fingerprint") == fingerprint
-
-    runs: dict[str, dict[str, Any]] = {}
-    todo: list[RunSpec] = []
-    for spec in grid(config):
-        data = _read_json(_run_path(out, spec))
-        ok = _valid_run(data, spec, fingerprint, seeds)
-        if ok and spec.mode == "standard" and spec.scale == base:
-            ok = have_record(spec.lr, spec.seed)
-        if ok:
-            runs[spec.key] = data
-        else:
-            todo.append(spec)
-    todo_keys = {s.key for s in todo}
-    # base recordings needed by FLeRM runs, when the standard base run is not itself to do
-    recordings = [
-        RunSpec("standard", base, lr, seed)
-        for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
-        for seed in seeds
-        if not have_record(lr, seed)
-    ]
-    extra = [s for s in recordings if s.key not in todo_keys]
-
-    waiting: dict[float, list[RunSpec]] = {}
-    ready: list[RunSpec] = []
-    for spec in todo + extra:
-        (waiting.setdefault(spec.lr, []) if spec.mode == "flerm" else ready).append(spec)
-    missing_records = {(s.lr, s.seed) for s in ready if s.mode == "standard" and s.scale == base}
-
-    executed: list[str] = []
-    means: dict[float, FSLRRecord | None] = {}
-
-    def base_for(lr: float) -> FSLRRecord | None:
-        if lr not in means:
-            recs = [_load_record(_record_path(out, lr, s)) for s in seeds]
-            mean = mean_record(r for r in recs if r is not None)
-            if mean is not None:
-                mean.save(_mean_path(out, lr))
-            means[lr] = mean
-        return means[lr]
-
-    def release() -> None:
-        for lr in list(waiting):
-            if not any((lr, s) in missing_records for s in seeds):
-                ready.extend(waiting.pop(lr))
-
-    def priority(spec: RunSpec) -> tuple[int, float]:
-        # base recordings first (they unlock FLeRM runs), then the most expensive runs
-        return (int(spec.mode == "standard" and spec.scale == base), spec.scale)
-
-    def finish(spec: RunSpec, result: dict[str, Any], rec: FSLRRecord | None) -> None:
-        result["fingerprint"] = fingerprint
-        if spec.mode == "flerm":
-            result["base_seeds"] = seeds
-        if rec is not None:
-            rec.meta["fingerprint"] = fingerprint
-            rec.save(_record_path(out, spec.lr, spec.seed))
-            missing_records.discard((spec.lr, spec.seed))
-        if spec.key in todo_keys:
-            write_json(_run_path(out, spec), result, parents=True)
-            runs[spec.key] = result
-        executed.append(spec.key)
-        progress.update(spec.key)
-        if on_run is not None:
-            on_run(result)
-
-    def args_of(spec: RunSpec) -> tuple[FSLRRecord | None, bool] | None:
-        """(base record, record?) of a run, or ``None`` if it cannot run (no base record)."""
-        if spec.mode == "flerm":
-            mean = base_for(spec.lr)
-            return None if mean is None else (mean, False)
-        return None, spec.scale == base
-
-    if task is None and (todo or extra):
-        task = builtin_task(config)
-    previous_threads = torch.get_num_threads()
-    progress = _Progress(len(todo) + len(extra), quiet)
-    try:
-        release()
-        if threads is not None:
-            torch.set_num_threads(threads)
-        if jobs == 1 or not ready:
-            while ready:
-                ready.sort(key=priority)
-                spec = ready.pop()
-                args = args_of(spec)
-                if args is None:
-                    finish(spec, _unusable(spec), None)
-                else:
-                    assert task is not None
-                    result, rec = execute(task, config, spec, args[0], record=args[1])
-                    finish(spec, result, rec)
-                release()
-        else:
-            assert task is not None
-            per_job = threads if threads is not None else max(1, _cpu_count() // jobs)
-            ctx = multiprocessing.get_context("spawn")
-            with cf.ProcessPoolExecutor(
-                jobs, mp_context=ctx, initializer=_init_worker, initargs=(task, config, per_job)
-            ) as pool:
-                flying: dict[cf.Future[Any], RunSpec] = {}
-                try:
-                    while ready or flying:
-                        ready.sort(key=priority)
-                        while ready and len(flying) < jobs:
-                            spec = ready.pop()
-                            args = args_of(spec)
-                            if args is None:
-                                finish(spec, _unusable(spec), None)
-                                continue
-                            b = None if args[0] is None else args[0].to_dict()
-                            flying[pool.submit(_work, spec, b, args[1])] = spec
-                        if not flying:
-                            release()
-                            continue
-                        done, _ = cf.wait(flying, return_when=cf.FIRST_COMPLETED)
-                        for fut in done:
-                            spec = flying.pop(fut)
-                            result, rec = fut.result()
-                            finish(spec, result, None if rec is None else FSLRRecord.from_dict(rec))
-                        release()
-                except BaseException:
-                    pool.shutdown(wait=False, cancel_futures=True)
-                    raise
-    finally:
-        progress.close()
-        torch.set_num_threads(previous_threads)
-
-    summary = summarise(config, runs, out=out)
+    sweep = _Sweep(config, SweepCache.create(out, config, task_name), quiet=quiet, on_run=on_run)
+    if sweep.pending:
+        task = builtin_task(config) if task is None else task
+        sweep.train(task, jobs=jobs, threads=threads)
+    summary = summarise(config, sweep.runs, out=out)
     summary["task"] = task_name
     summary["wall_seconds"] = round(time.perf_counter() - t0, 2)
-    summary["executed_runs"] = len(executed)
+    summary["executed_runs"] = len(sweep.executed)
     write_json(out / "summary.json", summary, parents=True)
-    return SweepResult(out, summary, runs, executed, time.perf_counter() - t0)
-
-
-# ---------------------------------------------------------------------------------- results
-
-
-def load_runs(out: str | os.PathLike[str]) -> tuple[SweepConfig, dict[str, dict[str, Any]]]:
-    """The config and cached runs of a sweep folder (runs of other fingerprints left out).
-
-    Raises:
-        FileNotFoundError: if ``out`` has no readable ``sweep.json``.
-    """
-    out = Path(out)
-    meta = _read_json(out / "sweep.json")
-    if not isinstance(meta, dict) or "config" not in meta:
-        raise FileNotFoundError(f"{out} is not a sweep folder: it has no readable sweep.json")
-    config = SweepConfig.from_dict(meta["config"])
-    fingerprint = str(meta.get("fingerprint"))
-    seeds = list(range(config.seeds))
-    runs = {}
-    for spec in grid(config):
-        data = _read_json(_run_path(out, spec))
-        if _valid_run(data, spec, fingerprint, seeds):
-            runs[spec.key] = data
-    return config, runs
-
-
-def summarise(
-    config: SweepConfig,
-    runs: Mapping[str, Mapping[str, Any]],
-    *,
-    out: str | os.PathLike[str] | None = None,
-) -> dict[str, Any]:
-    """The sweep's results: best learning rate, its loss and shift per mode and scale.
-
-    A (mode, scale, lr) cell scores the mean over seeds of the runs' losses (infinite when a
-    seed diverged or is missing).
-
-    Returns:
-        ``{"axis", "scales", "lrs", "modes": {mode: {"best_lr": {scale: lr}, "best_loss":
-        {scale: loss}, "shift_octaves": log2(best_lr[largest] / best_lr[base]), "loss":
-        {scale: [score per lr, None if infinite]}, "test_loss": {scale: test loss at the best
-        lr}}}, "identity_check": {...}, "config": {...}, "runs": n}``; scales are keys like
-        ``"8"``, learning rates floats; ``None`` where nothing converged.
-    """
-    modes: dict[str, Any] = {}
-    for mode in config.modes:
-        best_lr: dict[str, float | None] = {}
-        best_loss: dict[str, float | None] = {}
-        test: dict[str, float | None] = {}
-        table: dict[str, list[float | None]] = {}
-        for scale in config.scales:
-            scores: list[float] = []
-            tests: list[float | None] = []
-            for lr in config.lrs:
-                cell = [runs.get(RunSpec(mode, scale, lr, s).key) for s in range(config.seeds)]
-                losses = [c.get("loss") if c else None for c in cell]
-                tl = [c.get("test_loss") if c else None for c in cell]
-                scores.append(
-                    math.fsum(losses) / len(losses)  # type: ignore[arg-type]
-                    if all(v is not None for v in losses)
-                    else math.inf
-                )
-                tests.append(
-                    math.fsum(tl) / len(tl)  # type: ignore[arg-type]
-                    if all(v is not None for v in tl)
-                    else None
-                )
-            sk = scale_key(scale)
-            table[sk] = [_finite_or_none(v) for v in scores]
-            i = min(range(len(scores)), key=scores.__getitem__)
-            found = math.isfinite(scores[i])
-            best_lr[sk] = config.lrs[i] if found else None
-            best_loss[sk] = scores[i] if found else None
-            test[sk] = tests[i] if found else None
-        lo, hi = best_lr[scale_key(config.scales[0])], best_lr[scale_key(config.scales[-1])]
-        modes[mode] = {
-            "best_lr": best_lr,
-            "shift_octaves": None if lo is None or hi is None else round(math.log2(hi / lo), 6),
-            "best_loss": best_loss,
-            "test_loss": test,
-            "loss": table,
-        }
-    summary: dict[str, Any] = {
-        "axis": config.axis,
-        "scales": list(config.scales),
-        "lrs": list(config.lrs),
-        "modes": modes,
-        "identity_check": _identity_check(config, runs),
-        "config": config.to_dict(),
-        "runs": len(runs),
-    }
-    if out is not None:
-        summary["out"] = str(out)
-    return summary
-
-
-def _identity_check(config: SweepConfig, runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """FLeRM at the base scale against the standard run: the rates it set over ``lr`` and the
-    largest loss difference (exactly 1 and 0 with one seed; seed noise of the mean with more)."""
-    if "flerm" not in config.modes or "standard" not in config.modes:
-        return {}
-    ratios: list[float] = []
-    diffs: list[float] = []
-    for lr in config.lrs:
-        for s in range(config.seeds):
-            f = runs.get(RunSpec("flerm", config.base_scale, lr, s).key)
-            st = runs.get(RunSpec("standard", config.base_scale, lr, s).key)
-            if f and "flerm" in f:
-                ratios.extend(v / lr for v in f["flerm"]["lrs"].values())
-            if f and st and f.get("loss") is not None and st.get("loss") is not None:
-                diffs.append(abs(f["loss"] - st["loss"]))
-    if not ratios:
-        return {}
-    return {
-        "lr_ratio_min": min(ratios),
-        "lr_ratio_max": max(ratios),
-        "max_abs_loss_diff": max(diffs) if diffs else None,
-    }
-
-
-def _fmt_lr(lr: float | None) -> str:
-    if lr is None:
-        return "-"
-    k = math.log2(lr)
-    return f"{lr:.3g} (2^{k:.0f})" if abs(k - round(k)) < 1e-9 else f"{lr:.3g}"
-
-
-def format_table(summary: Mapping[str, Any]) -> str:
-    """The best learning rate and loss per scale for each mode, and the shifts in octaves.
-
-    Example:
-        >>> s = {"axis": "width", "scales": [1.0, 8.0], "modes": {
-        ...     "standard": {"best_lr": {"1": 0.0625, "8": 0.0078125}, "shift_octaves": -3.0,
-        ...                  "best_loss": {"1": 0.9, "8": 0.5}},
-        ...     "flerm": {"best_lr": {"1": 0.0625, "8": 0.0625}, "shift_octaves": 0.0,
-        ...               "best_loss": {"1": 0.9, "8": 0.4}}}}
-        >>> print(format_table(s))
-        width    standard best lr   loss     flerm best lr      loss
-        1x       0.0625 (2^-4)      0.9000   0.0625 (2^-4)      0.9000
-        8x       0.00781 (2^-7)     0.5000   0.0625 (2^-4)      0.4000
-        shift    -3 octaves                  +0 octaves
-    """
-    modes = [m for m in MODES if m in summary["modes"]]
-    head = f"{summary['axis']:<8} " + " ".join(f"{m + ' best lr':<18} {'loss':<8}" for m in modes)
-    lines = [head]
-    for scale in summary["scales"]:
-        sk = scale_key(float(scale))
-        cells = []
-        for m in modes:
-            loss = summary["modes"][m]["best_loss"].get(sk)
-            lr = _fmt_lr(summary["modes"][m]["best_lr"].get(sk))
-            cells.append(f"{lr:<18} {'-' if loss is None else f'{loss:.4f}':<8}")
-        lines.append(f"{sk + 'x':<8} " + " ".join(cells))
-    shifts = []
-    for m in modes:
-        x = summary["modes"][m]["shift_octaves"]
-        shifts.append(f"{'-' if x is None else f'{x:+.3g} octaves':<27}")
-    lines.append(f"{'shift':<8} " + " ".join(shifts))
-    return "\n".join(line.rstrip() for line in lines)
+    return SweepResult(out, summary, sweep.runs, sweep.executed, time.perf_counter() - t0)

@@ -1,0 +1,205 @@
+r"""A sweep's cache: one small JSON file per run and per base record, valid for one fingerprint.
+
+Every run is a pure function of its config and ``(mode, scale, lr, seed)``, so its result is
+cached as one file, written atomically (:func:`fslr_func.atomic.write_json`)::
+
+    <out>/sweep.json                      the config, task name and fingerprint
+    <out>/runs/<mode>_scale=<s>_lr=<lr>_seed=<k>.json
+    <out>/records/lr=<lr>_seed=<k>.json   base records (FSLRRecord.save), and lr=<lr>_mean.json
+    <out>/summary.json                    see :func:`~fslr_func.experiments.summary.summarise`
+
+A cached run counts only when its config fingerprint is the sweep's (and, for a FLeRM run,
+when its base record was averaged over the sweep's seeds); a missing, damaged or stale file is
+simply re-run.
+
+Example:
+    >>> import tempfile
+    >>> from pathlib import Path
+    >>> from fslr_func.experiments.configs import SweepConfig
+    >>> from fslr_func.experiments.run import RUN_FORMAT, grid
+    >>> config = SweepConfig(scales=(1, 2), lrs=(0.5,), seeds=1)
+    >>> spec = grid(config)[0]
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     cache = SweepCache.create(Path(out), config, "my-task")
+    ...     cache.store(spec, {"format": RUN_FORMAT, "version": 1, "key": spec.key}, None, run=True)
+    ...     config_again, runs = load_runs(out)
+    >>> config_again == config, list(runs), runs[spec.key]["fingerprint"] == cache.fingerprint
+    (True, ['standard_scale=1_lr=0.5_seed=0'], True)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from ..atomic import write_json
+from ..record import FSLRRecord
+from .configs import SweepConfig, lr_key
+from .run import RUN_FORMAT, RUN_VERSION, RunSpec, grid
+
+__all__ = ["SweepCache", "load_runs", "mean_record"]
+
+
+def _read_json(path: Path) -> Any:
+    """The JSON document at ``path``, or ``None`` if missing or unreadable (a damaged cache
+    entry is simply re-run)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _load_record(path: Path) -> FSLRRecord | None:
+    try:
+        return FSLRRecord.load(path)
+    except (OSError, ValueError):
+        return None
+
+
+def _common_rows(record: FSLRRecord, steps: set[int]) -> FSLRRecord:
+    """The rows of ``record`` at ``steps``."""
+    rows = [i for i, s in enumerate(record.steps) if s in steps]
+    return FSLRRecord(
+        steps=[record.steps[i] for i in rows],
+        fslr={n: [v[i] for i in rows] for n, v in record.fslr.items()},
+        lrs={n: [v[i] for i in rows] for n, v in record.lrs.items()},
+        sched=[record.sched[i] for i in rows],
+        meta=record.meta,
+    )
+
+
+def mean_record(records: Iterable[FSLRRecord]) -> FSLRRecord | None:
+    """Mean over seeds of the base records of one learning rate, on their common steps.
+
+    A diverged base run stops early (fewer rows) and one without a finite estimate has none;
+    the mean uses the steps all non-empty records share. ``None`` if no record has a row.
+
+    Example:
+        >>> a = FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 2.0]}, meta={"seed": 0})
+        >>> b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1})
+        >>> m = mean_record([a, b])
+        >>> m.steps, m.fslr, m.meta["seed"]
+        ([0], {'w': [2.0]}, [0, 1])
+    """
+    recs = [r for r in records if len(r)]
+    if not recs:
+        return None
+    common = set(recs[0].steps)
+    for r in recs[1:]:
+        common &= set(r.steps)
+    if not common:
+        return None
+    return FSLRRecord.mean(_common_rows(r, common) for r in recs)
+
+
+class SweepCache:
+    """The cached runs and base records of a sweep folder, for one fingerprint.
+
+    Args:
+        out: the sweep folder.
+        fingerprint: the config fingerprint cached files must carry.
+        seeds: the sweep's seeds: FLeRM runs are valid only for a base record averaged over
+            exactly these.
+    """
+
+    def __init__(self, out: Path, fingerprint: str, seeds: list[int]) -> None:
+        self.out = out
+        self.fingerprint = fingerprint
+        self.seeds = seeds
+        self._means: dict[float, FSLRRecord | None] = {}
+
+    @classmethod
+    def create(cls, out: Path, config: SweepConfig, task_name: str) -> SweepCache:
+        """Make the folders of ``out`` and write its ``sweep.json`` for ``config`` and a task."""
+        (out / "records").mkdir(parents=True, exist_ok=True)
+        (out / "runs").mkdir(parents=True, exist_ok=True)
+        fingerprint = config.fingerprint({"task": task_name})
+        write_json(
+            out / "sweep.json",
+            {"config": config.to_dict(), "task": task_name, "fingerprint": fingerprint},
+        )
+        return cls(out, fingerprint, list(range(config.seeds)))
+
+    def _run_path(self, spec: RunSpec) -> Path:
+        return self.out / "runs" / f"{spec.key}.json"
+
+    def _record_path(self, lr: float, seed: int) -> Path:
+        return self.out / "records" / f"lr={lr_key(lr)}_seed={seed}.json"
+
+    def _mean_path(self, lr: float) -> Path:
+        return self.out / "records" / f"lr={lr_key(lr)}_mean.json"
+
+    def run(self, spec: RunSpec) -> dict[str, Any] | None:
+        """The cached result of ``spec``, or ``None`` if missing, damaged or stale."""
+        data = _read_json(self._run_path(spec))
+        if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
+            return None
+        if data.get("version") != RUN_VERSION or data.get("fingerprint") != self.fingerprint:
+            return None
+        if data.get("key") != spec.key:
+            return None
+        if spec.mode == "flerm" and data.get("base_seeds") != self.seeds:
+            return None
+        return data
+
+    def has_record(self, lr: float, seed: int) -> bool:
+        """Whether the base record of ``lr`` and ``seed`` is cached with this fingerprint."""
+        rec = _load_record(self._record_path(lr, seed))
+        return rec is not None and rec.meta.get("fingerprint") == self.fingerprint
+
+    def mean(self, lr: float) -> FSLRRecord | None:
+        """The seed mean of the base records of ``lr`` (:func:`mean_record`), also saved.
+
+        Made once per :class:`SweepCache`, on first use, so call it only once every seed's
+        base record of ``lr`` is stored.
+        """
+        if lr not in self._means:
+            recs = [_load_record(self._record_path(lr, s)) for s in self.seeds]
+            mean = mean_record(r for r in recs if r is not None)
+            if mean is not None:
+                mean.save(self._mean_path(lr))
+            self._means[lr] = mean
+        return self._means[lr]
+
+    def store(
+        self, spec: RunSpec, result: dict[str, Any], record: FSLRRecord | None, *, run: bool
+    ) -> None:
+        """Stamp a new run's result (in place) and base record with the fingerprint; save them.
+
+        Args:
+            spec: the run.
+            result: its result; a FLeRM run's also gets the seeds of its base record.
+            record: its base record, or ``None``.
+            run: write the result too (``False`` for a run that only re-made its record).
+        """
+        result["fingerprint"] = self.fingerprint
+        if spec.mode == "flerm":
+            result["base_seeds"] = self.seeds
+        if record is not None:
+            record.meta["fingerprint"] = self.fingerprint
+            record.save(self._record_path(spec.lr, spec.seed))
+        if run:
+            write_json(self._run_path(spec), result, parents=True)
+
+
+def load_runs(out: str | os.PathLike[str]) -> tuple[SweepConfig, dict[str, dict[str, Any]]]:
+    """The config and cached runs of a sweep folder (runs of other fingerprints left out).
+
+    Raises:
+        FileNotFoundError: if ``out`` has no readable ``sweep.json``.
+    """
+    out = Path(out)
+    meta = _read_json(out / "sweep.json")
+    if not isinstance(meta, dict) or "config" not in meta:
+        raise FileNotFoundError(f"{out} is not a sweep folder: it has no readable sweep.json")
+    config = SweepConfig.from_dict(meta["config"])
+    cache = SweepCache(out, str(meta.get("fingerprint")), list(range(config.seeds)))
+    runs = {}
+    for spec in grid(config):
+        data = cache.run(spec)
+        if data is not None:
+            runs[spec.key] = data
+    return config, runs

@@ -1,0 +1,225 @@
+"""One run of a sweep: :class:`RunSpec` names it, :func:`execute` trains it.
+
+A run is standard Adam at its learning rate (the base-scale ones also record their FSLRs) or
+Adam driven by :class:`~fslr_func.flerm.FLeRM` from the base record of its learning rate. Its
+result is a small JSON-able dict (``"format": RUN_FORMAT``), the document the cache stores.
+
+Example:
+    >>> from fslr_func.experiments.configs import SweepConfig
+    >>> config = SweepConfig(scales=(1, 2), lrs=(0.5,), seeds=1, modes=("standard",))
+    >>> [s.key for s in grid(config)]
+    ['standard_scale=1_lr=0.5_seed=0', 'standard_scale=2_lr=0.5_seed=0']
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, NamedTuple
+
+import torch
+
+from ..flerm import FLeRM
+from ..policies import Policy
+from ..record import FSLRRecord
+from ..recorder import Recorder
+from ..wrap import with_fslr
+from .configs import MODES, SweepConfig, lr_key, scale_key
+from .task import Task
+from .train import AroundStep, last_mean, train
+
+__all__ = ["RUN_FORMAT", "RunSpec", "execute", "grid"]
+
+RUN_FORMAT = "fslr_func.sweep.run"
+"""Value of the ``"format"`` key of a cached run file."""
+RUN_VERSION = 1
+"""Value of the ``"version"`` key of a cached run file."""
+
+
+class RunSpec(NamedTuple):
+    """One run of a sweep.
+
+    Example:
+        >>> RunSpec("flerm", 8.0, 2.0**-10, 1).key
+        'flerm_scale=8_lr=0.0009765625_seed=1'
+    """
+
+    mode: str
+    scale: float
+    lr: float
+    seed: int
+
+    @property
+    def key(self) -> str:
+        """File-name key: ``<mode>_scale=<s>_lr=<lr>_seed=<k>``."""
+        return f"{self.mode}_scale={scale_key(self.scale)}_lr={lr_key(self.lr)}_seed={self.seed}"
+
+
+def grid(config: SweepConfig) -> list[RunSpec]:
+    """Every run of a config, in a stable order.
+
+    Example:
+        >>> from fslr_func.experiments.configs import SweepConfig
+        >>> len(grid(SweepConfig(scales=(1, 2), lrs=(0.1, 0.2, 0.3), seeds=2)))
+        24
+    """
+    return [
+        RunSpec(mode, scale, lr, seed)
+        for mode in config.modes
+        for scale in config.scales
+        for lr in config.lrs
+        for seed in range(config.seeds)
+    ]
+
+
+def finite_or_none(x: float) -> float | None:
+    """``x``, or ``None`` if it is infinite or NaN (strict JSON has neither).
+
+    Example:
+        >>> finite_or_none(0.5), finite_or_none(float("nan"))
+        (0.5, None)
+    """
+    return x if math.isfinite(x) else None
+
+
+def _policy(task: Task, config: SweepConfig) -> str | Policy:
+    return config.policy if task.policy is None else task.policy
+
+
+def _result(
+    spec: RunSpec,
+    loss: float,
+    test_loss: float | None,
+    losses: list[float],
+    seconds: float,
+    warned: list[str],
+) -> dict[str, Any]:
+    """The JSON-able result of a run (without the cache's fingerprint stamps)."""
+    return {
+        "format": RUN_FORMAT,
+        "version": RUN_VERSION,
+        "key": spec.key,
+        "mode": spec.mode,
+        "scale": spec.scale,
+        "lr": spec.lr,
+        "seed": spec.seed,
+        "loss": finite_or_none(loss),
+        "test_loss": test_loss,
+        "losses": [finite_or_none(v) for v in losses],
+        "seconds": seconds,
+        "warnings": warned,
+    }
+
+
+def unusable(spec: RunSpec) -> dict[str, Any]:
+    """The result of a FLeRM run whose base runs all diverged before their first estimate.
+
+    Example:
+        >>> unusable(RunSpec("flerm", 2.0, 0.1, 0))["loss"] is None
+        True
+    """
+    return _result(
+        spec,
+        math.inf,
+        None,
+        [],
+        0.0,
+        ["no base record: every base run of this learning rate diverged"],
+    )
+
+
+def execute(
+    task: Task,
+    config: SweepConfig,
+    spec: RunSpec,
+    base: FSLRRecord | None = None,
+    *,
+    record: bool = False,
+) -> tuple[dict[str, Any], FSLRRecord | None]:
+    """Train one run; a pure function of its arguments.
+
+    Args:
+        task: model, data and loss.
+        config: budget (``steps``, ``last``) and FSLR settings (``samples``,
+            ``warmup_samples``, ``every``).
+        spec: mode, scale, learning rate and seed.
+        base: the base record of ``spec.lr`` (FLeRM mode only).
+        record: in standard mode, record the run's FSLRs (the base runs).
+
+    Returns:
+        The run's result (JSON-able: ``loss`` is the mean of the last ``config.last`` losses,
+        ``None`` if it diverged; ``losses``, ``test_loss``, ``seconds`` and, for FLeRM, the
+        per-tensor ``flerm`` rates set) and the record (or ``None``).
+    """
+    if spec.mode not in MODES:
+        raise ValueError(f"unknown mode {spec.mode!r}; choose one of {MODES}")
+    if spec.mode == "flerm" and base is None:
+        raise ValueError("a FLeRM run needs the base record of its learning rate")
+    start = time.perf_counter()
+    torch.manual_seed(spec.seed)
+    model = task.build(spec.scale, spec.seed)
+    fm = with_fslr(
+        model,
+        samples=config.samples,
+        seed=spec.seed,
+        output_fn=task.output_fn,
+        strategy=config.strategy,
+    )
+    opt = torch.optim.Adam(fm.parameters(), lr=spec.lr)
+    probes = task.probe_batches(spec.seed)
+    around: AroundStep | None = None
+    recorder: Recorder | None = None
+    flerm: FLeRM | None = None
+    if spec.mode == "flerm":
+        assert base is not None
+        flerm = FLeRM(
+            fm,
+            opt,
+            base,
+            probe_batches=probes,
+            policy=_policy(task, config),
+            mode="periodic" if config.flerm_mode == "periodic" else "static",
+            every=config.every,
+            warmup_samples=config.warmup_samples,
+        )
+        ctl = flerm
+        around = lambda t: ctl.step()  # noqa: E731
+    elif record:
+        recorder = Recorder(
+            fm,
+            probes,
+            warmup_samples=config.warmup_samples,
+            every=config.every,
+            meta={"seed": spec.seed, "scale": spec.scale, "lr": spec.lr},
+        )
+        rec = recorder
+        around = lambda t: rec.step(opt)  # noqa: E731
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = train(
+            fm, task.train_batches(spec.seed), opt, config.steps, task.loss_fn, around_step=around
+        )
+        loss = last_mean(losses, config.last) if len(losses) == config.steps else math.inf
+        test_loss = None
+        if task.evaluate is not None and math.isfinite(loss):
+            test_loss = finite_or_none(float(task.evaluate(model)))
+    result = _result(
+        spec,
+        loss,
+        test_loss,
+        losses,
+        time.perf_counter() - start,
+        sorted({str(w.message) for w in caught})[:5],
+    )
+    if flerm is not None and flerm.history:
+        point = flerm.history[0]
+        result["flerm"] = {
+            "step": point.step,
+            "lrs": point.lrs,
+            "fslr": point.fslr,
+            "targets": point.targets,
+            "held": list(point.held),
+            "set_points": [p.step for p in flerm.history],
+        }
+    return result, None if recorder is None else recorder.record

@@ -1,0 +1,165 @@
+"""A sweep's summary: the best learning rate per mode and scale, its shift, the table.
+
+A (mode, scale, lr) cell scores the mean over seeds of its runs' losses (infinite when a seed
+diverged or is missing); the best learning rate of a scale is the grid point with the lowest
+score, and its *shift* from the base to the largest scale is measured in octaves,
+``log2(best_lr[largest] / best_lr[base])``.
+
+Example:
+    >>> from fslr_func.experiments.configs import SweepConfig
+    >>> config = SweepConfig(scales=(1, 2), lrs=(0.25, 0.5), seeds=1, modes=("standard",))
+    >>> runs = {RunSpec("standard", s, lr, 0).key: {"loss": loss}
+    ...         for s, lr, loss in [(1, 0.25, 2.0), (1, 0.5, 1.0), (2, 0.25, 1.0), (2, 0.5, 3.0)]}
+    >>> summarise(config, runs)["modes"]["standard"]["shift_octaves"]
+    -1.0
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from .configs import MODES, SweepConfig, scale_key
+from .run import RunSpec, finite_or_none
+
+__all__ = ["format_table", "summarise"]
+
+
+def _seed_mean(cell: list[Mapping[str, Any] | None], field: str) -> float | None:
+    """The mean of ``field`` over the seeds' runs; ``None`` if a run or its value is missing.
+
+    Example:
+        >>> _seed_mean([{"loss": 1.0}, {"loss": 2.0}], "loss"), _seed_mean([None], "loss")
+        (1.5, None)
+    """
+    values = [c.get(field) for c in cell if c]
+    present = [v for v in values if v is not None]
+    return math.fsum(present) / len(present) if len(present) == len(cell) else None
+
+
+def summarise(
+    config: SweepConfig,
+    runs: Mapping[str, Mapping[str, Any]],
+    *,
+    out: str | os.PathLike[str] | None = None,
+) -> dict[str, Any]:
+    """The sweep's results: best learning rate, its loss and shift per mode and scale.
+
+    A (mode, scale, lr) cell scores the mean over seeds of the runs' losses (infinite when a
+    seed diverged or is missing).
+
+    Returns:
+        ``{"axis", "scales", "lrs", "modes": {mode: {"best_lr": {scale: lr}, "best_loss":
+        {scale: loss}, "shift_octaves": log2(best_lr[largest] / best_lr[base]), "loss":
+        {scale: [score per lr, None if infinite]}, "test_loss": {scale: test loss at the best
+        lr}}}, "identity_check": {...}, "config": {...}, "runs": n}``; scales are keys like
+        ``"8"``, learning rates floats; ``None`` where nothing converged.
+    """
+    modes: dict[str, Any] = {}
+    for mode in config.modes:
+        best_lr: dict[str, float | None] = {}
+        best_loss: dict[str, float | None] = {}
+        test: dict[str, float | None] = {}
+        table: dict[str, list[float | None]] = {}
+        for scale in config.scales:
+            scores: list[float] = []
+            tests: list[float | None] = []
+            for lr in config.lrs:
+                cell = [runs.get(RunSpec(mode, scale, lr, s).key) for s in range(config.seeds)]
+                loss = _seed_mean(cell, "loss")
+                scores.append(math.inf if loss is None else loss)
+                tests.append(_seed_mean(cell, "test_loss"))
+            sk = scale_key(scale)
+            table[sk] = [finite_or_none(v) for v in scores]
+            i = min(range(len(scores)), key=scores.__getitem__)
+            found = math.isfinite(scores[i])
+            best_lr[sk] = config.lrs[i] if found else None
+            best_loss[sk] = scores[i] if found else None
+            test[sk] = tests[i] if found else None
+        lo, hi = best_lr[scale_key(config.scales[0])], best_lr[scale_key(config.scales[-1])]
+        modes[mode] = {
+            "best_lr": best_lr,
+            "shift_octaves": None if lo is None or hi is None else round(math.log2(hi / lo), 6),
+            "best_loss": best_loss,
+            "test_loss": test,
+            "loss": table,
+        }
+    summary: dict[str, Any] = {
+        "axis": config.axis,
+        "scales": list(config.scales),
+        "lrs": list(config.lrs),
+        "modes": modes,
+        "identity_check": _identity_check(config, runs),
+        "config": config.to_dict(),
+        "runs": len(runs),
+    }
+    if out is not None:
+        summary["out"] = str(out)
+    return summary
+
+
+def _identity_check(config: SweepConfig, runs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """FLeRM at the base scale against the standard run: the rates it set over ``lr`` and the
+    largest loss difference (exactly 1 and 0 with one seed; seed noise of the mean with more)."""
+    if "flerm" not in config.modes or "standard" not in config.modes:
+        return {}
+    ratios: list[float] = []
+    diffs: list[float] = []
+    for lr in config.lrs:
+        for s in range(config.seeds):
+            f = runs.get(RunSpec("flerm", config.base_scale, lr, s).key)
+            st = runs.get(RunSpec("standard", config.base_scale, lr, s).key)
+            if f and "flerm" in f:
+                ratios.extend(v / lr for v in f["flerm"]["lrs"].values())
+            if f and st and f.get("loss") is not None and st.get("loss") is not None:
+                diffs.append(abs(f["loss"] - st["loss"]))
+    if not ratios:
+        return {}
+    return {
+        "lr_ratio_min": min(ratios),
+        "lr_ratio_max": max(ratios),
+        "max_abs_loss_diff": max(diffs) if diffs else None,
+    }
+
+
+def _fmt_lr(lr: float | None) -> str:
+    if lr is None:
+        return "-"
+    k = math.log2(lr)
+    return f"{lr:.3g} (2^{k:.0f})" if abs(k - round(k)) < 1e-9 else f"{lr:.3g}"
+
+
+def format_table(summary: Mapping[str, Any]) -> str:
+    """The best learning rate and loss per scale for each mode, and the shifts in octaves.
+
+    Example:
+        >>> s = {"axis": "width", "scales": [1.0, 8.0], "modes": {
+        ...     "standard": {"best_lr": {"1": 0.0625, "8": 0.0078125}, "shift_octaves": -3.0,
+        ...                  "best_loss": {"1": 0.9, "8": 0.5}},
+        ...     "flerm": {"best_lr": {"1": 0.0625, "8": 0.0625}, "shift_octaves": 0.0,
+        ...               "best_loss": {"1": 0.9, "8": 0.4}}}}
+        >>> print(format_table(s))
+        width    standard best lr   loss     flerm best lr      loss
+        1x       0.0625 (2^-4)      0.9000   0.0625 (2^-4)      0.9000
+        8x       0.00781 (2^-7)     0.5000   0.0625 (2^-4)      0.4000
+        shift    -3 octaves                  +0 octaves
+    """
+    modes = [m for m in MODES if m in summary["modes"]]
+    head = f"{summary['axis']:<8} " + " ".join(f"{m + ' best lr':<18} {'loss':<8}" for m in modes)
+    lines = [head]
+    for scale in summary["scales"]:
+        sk = scale_key(float(scale))
+        cells = []
+        for m in modes:
+            loss = summary["modes"][m]["best_loss"].get(sk)
+            lr = _fmt_lr(summary["modes"][m]["best_lr"].get(sk))
+            cells.append(f"{lr:<18} {'-' if loss is None else f'{loss:.4f}':<8}")
+        lines.append(f"{sk + 'x':<8} " + " ".join(cells))
+    shifts = []
+    for m in modes:
+        x = summary["modes"][m]["shift_octaves"]
+        shifts.append(f"{'-' if x is None else f'{x:+.3g} octaves':<27}")
+    lines.append(f"{'shift':<8} " + " ".join(shifts))
+    return "\n".join(line.rstrip() for line in lines)
