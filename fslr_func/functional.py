@@ -348,6 +348,23 @@ class ReadoutFinder:
         return found
 
 
+def readout_module(model: nn.Module, name: str) -> nn.Module:
+    """The submodule ``name`` given as ``readout=``.
+
+    Raises:
+        ValueError: no such module, with the closest leaf-module names.
+    """
+    try:
+        return model.get_submodule(name)
+    except AttributeError as err:
+        names = [n for n, m in model.named_modules() if next(m.children(), None) is None]
+        close = difflib.get_close_matches(name, names, n=3)
+        raise ValueError(
+            f"readout={name!r} is not a module of the model"
+            + (f"; did you mean {close}?" if close else "")
+        ) from err
+
+
 def readout_roles(
     model: nn.Module, module_name: str | None, trainable: Mapping[str, Tensor], num_outputs: int
 ) -> dict[str, ReadoutRole]:
@@ -358,15 +375,7 @@ def readout_roles(
     """
     if module_name is None:
         return {}
-    try:
-        module = model.get_submodule(module_name)
-    except AttributeError as err:
-        names = [n for n, m in model.named_modules() if next(m.children(), None) is None]
-        close = difflib.get_close_matches(module_name, names, n=3)
-        raise ValueError(
-            f"readout={module_name!r} is not a module of the model"
-            + (f"; did you mean {close}?" if close else "")
-        ) from err
+    module = readout_module(model, module_name)
     prefix = f"{module_name}." if module_name else ""
     roles: dict[str, ReadoutRole] = {}
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)

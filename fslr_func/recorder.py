@@ -122,6 +122,13 @@ class Recorder:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         meta: Mapping[str, Any] | None = None,
     ) -> None:
+        if base_lr is not None and not (
+            isinstance(base_lr, (int, float))
+            and not isinstance(base_lr, bool)
+            and math.isfinite(base_lr)
+            and base_lr > 0
+        ):
+            raise ValueError(f"base_lr must be None or a finite number > 0, got {base_lr!r}")
         self.fm = fm
         self.optimizer = optimizer
         self.plan = ProbePlan.of(warmup_samples, fm.samples, every, start_step)

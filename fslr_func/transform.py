@@ -41,7 +41,7 @@ from .estimator import (
     log_sq_norm,
     mean_log_stats,
 )
-from .functional import Inputs, check_single_process
+from .functional import Inputs, check_single_process, readout_module
 from .options import ProbeOptions, Strategy
 from .probe import GradientReduction, run_probe
 
@@ -125,6 +125,8 @@ class FSLRModule(nn.Module):
         self.options = ProbeOptions(**options)
         self.ema = EMA(beta)
         check_single_process(model)
+        if self.options.readout not in (None, "auto"):
+            readout_module(model, self.options.readout)
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError(
                 f"{type(model).__name__} has no trainable parameters: nothing to measure"
@@ -134,6 +136,7 @@ class FSLRModule(nn.Module):
         self.reduction = reduction
         self.resolved_strategy: Strategy = self.options.strategy
         self.readout_roles: dict[str, ReadoutRole] = {}
+        self._measuring = False
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         self.generator = torch.Generator().manual_seed(seed)
@@ -204,7 +207,16 @@ class FSLRModule(nn.Module):
 
         Yields:
             A :class:`Measurement`, filled in when the block exits.
+
+        Raises:
+            ValueError: the optimiser updates none of the module's parameters.
+            RuntimeError: a ``measure`` block inside another one (one step, measured once).
         """
+        if self._measuring:
+            raise RuntimeError(
+                "fm.measure blocks cannot be nested: the outer block already measures this "
+                "optimiser step (with Recorder or FLeRM, do not also call fm.measure)"
+            )
         lrs = {n: lr for n, lr in param_lrs(self.module, optimizer).items() if lr != 0.0}
         if not lrs:
             raise ValueError(
@@ -214,7 +226,11 @@ class FSLRModule(nn.Module):
         current = dict(self.module.named_parameters())
         before = {n: current[n].detach().clone() for n in lrs}
         m = Measurement(before, lrs)
-        yield m
+        self._measuring = True
+        try:
+            yield m
+        finally:
+            self._measuring = False
         m.delta = {n: (current[n].detach() - before[n]) / lrs[n] for n in lrs}
         m.fslr = self.observe(inputs, m.delta, params=before)
 

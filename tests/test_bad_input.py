@@ -363,3 +363,34 @@ def test_complex_parameters_are_refused_not_silently_cast() -> None:
     snap.check(model, x=x, delta=delta)
     real = {n: d for n, d in delta.items() if n != "w"}
     assert set(ff.estimate(model, x, real, samples=2)) == set(real)  # the real ones are fine
+
+
+def test_options_are_checked_when_the_wrapper_and_recorder_are_built() -> None:
+    """Bad options fail at construction, before optimizer.step() has run, not at the first
+    probe after it."""
+    from fslr_func.recorder import Recorder
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    with pytest.raises(ValueError, match="chunk_size"):
+        ff.with_fslr(model, chunk_size=0)
+    with pytest.raises(TypeError, match="output_fn"):
+        ff.with_fslr(model, output_fn=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"readout='nope' is not a module"):
+        ff.with_fslr(model, readout="nope")
+    fm = ff.with_fslr(model)
+    for bad in (0, -1.0, float("nan"), True):
+        with pytest.raises(ValueError, match="base_lr"):
+            Recorder(fm, iter([]), base_lr=bad)
+
+
+def test_nested_measure_blocks_are_refused() -> None:
+    model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
+    fm = ff.with_fslr(model, samples=2, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    x = torch.randn(5, 3)
+    fm(x).square().mean().backward()
+    with fm.measure(opt, x):
+        with pytest.raises(RuntimeError, match="cannot be nested"), fm.measure(opt, x):
+            pass
+        opt.step()
+    assert set(fm.ema.counts.values()) == {1}  # the step was folded in once
