@@ -65,7 +65,10 @@ class ProbeOptions:
             (``lambda o: o.logits``); ``None``: the output itself, which must be a tensor.
         readout: ``"auto"`` (detect the readout layer), a module name, or ``None`` (no
             readout variants).
-        chunk_size: samples per vmap call (peak memory grows with it); ``None``: all at once.
+        chunk_size: samples per vmap call (peak memory grows with it); ``None``: chosen by
+            bytes, as many as keep one chunk's omegas and gradients within
+            :data:`fslr_func.probe.CHUNK_BYTES` (all ``S`` on small models, one per chunk for a
+            language model's output).
         strategy: ``"auto"`` (vmap, or a loop for conv nets on CPU: decided from the model
             and device, so reruns agree bit for bit; falls back, with one warning, where a
             path fails), ``"vmap"``, ``"loop"``, ``"autograd"`` (plain

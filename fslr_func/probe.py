@@ -53,11 +53,14 @@ if TYPE_CHECKING:
     from .options import ProbeKwargs
 
 __all__ = [
+    "CHUNK_BYTES",
     "GradientReduction",
     "OmegaSlice",
     "ProbeResult",
+    "chunk_size_for",
     "draw_omega",
     "estimate",
+    "fill_omega_",
     "probe",
     "run_probe",
 ]
@@ -92,6 +95,32 @@ class ProbeResult:
         }
 
 
+OMEGA_DTYPE = torch.float32
+"""The dtype omega is drawn in, whatever the model's (then cast to the output's dtype)."""
+
+
+def fill_omega_(out: Tensor, kind: OmegaKind, generator: torch.Generator | None) -> Tensor:
+    """Fill ``out`` in place with i.i.d. zero-mean, unit-variance entries; returns ``out``.
+
+    ``"gaussian"``: standard normal; ``"rademacher"``: +1 or -1 with equal probability. The
+    generator must live on ``out``'s device. Filling a reused buffer row by row draws exactly
+    the numbers :func:`draw_omega` would, without allocating a sample.
+
+    Example:
+        >>> buf = torch.empty(2, 3)
+        >>> row = fill_omega_(buf[0], "gaussian", torch.Generator().manual_seed(0))
+        >>> cpu = torch.device("cpu")
+        >>> g = torch.Generator().manual_seed(0)
+        >>> torch.equal(buf[0], draw_omega(3, "gaussian", g, cpu, torch.float32))
+        True
+    """
+    if kind == "gaussian":
+        return out.normal_(generator=generator)
+    if kind == "rademacher":
+        return out.random_(0, 2, generator=generator).mul_(2.0).sub_(1.0)
+    raise ValueError(f"unknown omega {kind!r}; choose one of {', '.join(OMEGAS)}")
+
+
 def draw_omega(
     num: int,
     kind: OmegaKind,
@@ -99,9 +128,10 @@ def draw_omega(
     device: torch.device,
     dtype: torch.dtype,
 ) -> Tensor:
-    """One omega sample of ``num`` i.i.d. zero-mean, unit-variance entries.
+    """One omega sample of ``num`` entries (:func:`fill_omega_`), returned in ``dtype``.
 
-    Drawn on the generator's device (``device`` without one), then moved to ``device``.
+    Drawn in float32 on the generator's device (``device`` without one), then moved to
+    ``device`` and ``dtype``: models in bfloat16 and float64 see the same numbers.
 
     Example:
         >>> g = torch.Generator().manual_seed(0)
@@ -110,13 +140,34 @@ def draw_omega(
         True
     """
     gen_device = generator.device if generator is not None else device
-    if kind == "gaussian":
-        w = torch.randn(num, generator=generator, device=gen_device)
-    elif kind == "rademacher":
-        w = torch.randint(0, 2, (num,), generator=generator, device=gen_device) * 2.0 - 1.0
-    else:
-        raise ValueError(f"unknown omega {kind!r}; choose one of {', '.join(OMEGAS)}")
-    return w.to(device=device, dtype=dtype)
+    out = torch.empty(num, device=gen_device, dtype=OMEGA_DTYPE)
+    return fill_omega_(out, kind, generator).to(device=device, dtype=dtype)
+
+
+CHUNK_BYTES = 256 * 2**20
+"""What one chunk of samples may hold, in bytes, when ``chunk_size=None``."""
+
+
+def chunk_size_for(
+    samples: int, omega_entries: int, itemsize: int, delta: Mapping[str, Tensor]
+) -> int:
+    """Samples per chunk so that one chunk's omegas and gradients fit in :data:`CHUNK_BYTES`.
+
+    A sample costs its omega (``omega_entries`` values of ``itemsize`` bytes) and one gradient
+    of every probed tensor; the vjp's own intermediates are of the same order (the output's
+    cotangent and the activations' gradients). Small models get every sample in one chunk;
+    a language model whose output alone exceeds the budget (Llama's 128k vocabulary at batch
+    8, sequence 128: 0.5 GB per sample) gets one sample per chunk, so the probe's peak stays
+    near one backward pass's, whatever ``S``.
+
+    Example:
+        >>> d = {"w": torch.zeros(64, 64)}
+        >>> chunk_size_for(8, 1000, 4, d), chunk_size_for(8, 128_256 * 1024, 4, d)
+        (8, 1)
+    """
+    grads = sum(d.numel() * d.element_size() for d in delta.values())
+    per_sample = omega_entries * itemsize + grads
+    return max(1, min(samples, CHUNK_BYTES // max(per_sample, 1)))
 
 
 @dataclass(frozen=True)
@@ -163,11 +214,10 @@ def _dense(g: Tensor) -> Tensor:
     return g if g.layout == torch.strided else g.to_dense()
 
 
-def _chunks(samples: int, chunk_size: int | None) -> Iterator[int]:
+def _chunks(samples: int, chunk_size: int) -> Iterator[int]:
     """Sizes of the successive chunks of ``samples`` samples."""
-    chunk = samples if chunk_size is None else min(chunk_size, samples)
-    for start in range(0, samples, chunk):
-        yield min(chunk, samples - start)
+    for start in range(0, samples, chunk_size):
+        yield min(chunk_size, samples - start)
 
 
 def run_probe(
@@ -197,8 +247,7 @@ def run_probe(
         A :class:`ProbeResult`.
     """
     setup = prepare_vjp(model, inputs, delta, options, params=params)
-    out = setup.output
-    local = out.numel()
+    local = setup.num_outputs
     where = (
         OmegaSlice(generator, local, 0, local)
         if reduction is None
@@ -206,28 +255,33 @@ def run_probe(
     )
     if where.total == 0:
         raise ValueError("the model output is empty: nothing to probe")
-    scale = 1.0 / math.sqrt(where.total)
-    home = where.generator.device if where.generator is not None else out.device
+    # The cotangent is omega / sqrt(M); the vjp is linear and every statistic is quadratic in
+    # Z, so omega goes in unscaled and log M comes off the log statistics (no scaled copy).
+    log_shift = -math.log(where.total)
+    home = where.generator.device if where.generator is not None else setup.device
+    chunk = options.chunk_size or chunk_size_for(
+        options.samples, where.draw, setup.dtype.itemsize, delta
+    )
+    buffer = torch.empty((min(chunk, options.samples), where.draw), dtype=OMEGA_DTYPE, device=home)
 
     def gradients(w: Tensor) -> dict[str, Tensor]:
-        (grads,) = setup.vjp_fn(w * scale)
+        (grads,) = setup.vjp_fn(w)
         return {n: _dense(grads[n]) for n in delta}
 
     def statistics(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {n: log_statistics((grads[n] * d).reshape(setup.views[n])) for n, d in delta.items()}
+        return {
+            n: log_statistics((grads[n] * d).reshape(setup.views[n])) + log_shift
+            for n, d in delta.items()
+        }
 
     def draw(count: int) -> Tensor:
-        ws = [
-            draw_omega(where.draw, options.omega, where.generator, home, out.dtype)
-            for _ in range(count)
-        ]
-        stacked = torch.stack(ws)
-        if where.draw != local:
-            stacked = stacked[:, where.offset : where.offset + local]
-        return stacked.to(out.device)
+        for row in buffer[:count]:
+            fill_omega_(row, options.omega, where.generator)
+        ws = buffer[:count, where.offset : where.offset + local]
+        return ws.to(device=setup.device, dtype=setup.dtype)
 
     rows = []
-    for count in _chunks(options.samples, options.chunk_size):
+    for count in _chunks(options.samples, chunk):
         if reduction is None:
             rows.append(setup.map_samples(lambda w: statistics(gradients(w)), draw(count)))
         else:

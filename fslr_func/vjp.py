@@ -14,8 +14,8 @@ Example:
     >>> model = torch.nn.Linear(3, 2)
     >>> delta = {n: torch.ones_like(p) for n, p in model.named_parameters()}
     >>> setup = prepare_vjp(model, torch.randn(5, 3), delta, ProbeOptions(strategy="loop"))
-    >>> setup.output.shape, setup.readout_module
-    (torch.Size([10]), '')
+    >>> setup.num_outputs, setup.readout_module
+    (10, '')
     >>> grads = setup.map_samples(lambda w: setup.vjp_fn(w)[0], torch.randn(4, 10))
     >>> grads["weight"].shape
     torch.Size([4, 2, 3])
@@ -54,7 +54,7 @@ TIMED_VMAP_ROWS = 3
 """Samples vmapped while ``strategy="timed"`` times vmap against the loop on a first chunk."""
 
 
-def default_strategy(model: nn.Module, output: Tensor) -> Strategy:
+def default_strategy(model: nn.Module, device: torch.device) -> Strategy:
     """What ``strategy="auto"`` runs: a function of the model and the device, never of timing.
 
     ``"vmap"`` batches the samples' backward passes into one (on CPU it removes the
@@ -64,13 +64,13 @@ def default_strategy(model: nn.Module, output: Tensor) -> Strategy:
     take the same path and agree bit for bit.
 
     Example:
-        >>> default_strategy(torch.nn.Linear(2, 2), torch.zeros(2))
+        >>> default_strategy(torch.nn.Linear(2, 2), torch.device("cpu"))
         'vmap'
-        >>> default_strategy(torch.nn.Conv1d(1, 1, 3), torch.zeros(2))
+        >>> default_strategy(torch.nn.Conv1d(1, 1, 3), torch.device("cpu"))
         'loop'
     """
     convolutional = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    return "loop" if convolutional and output.device.type == "cpu" else "vmap"
+    return "loop" if convolutional and device.type == "cpu" else "vmap"
 
 
 def _func_vjp(
@@ -112,7 +112,10 @@ class VjpSetup:
 
     Attributes:
         model: the module probed.
-        output: the flat model output (``M`` elements), detached.
+        num_outputs: ``M``, the number of elements of the flat model output. The output itself
+            is not kept: at language-model size it is as large as one omega sample.
+        device: the output's device.
+        dtype: the output's dtype.
         vjp_fn: maps a cotangent of the flat output to ``({name: gradient},)``.
         readout: readout tensor names -> ``"weight"`` or ``"bias"``.
         readout_module: the readout module's name, or ``None``.
@@ -123,7 +126,9 @@ class VjpSetup:
     """
 
     model: nn.Module
-    output: Tensor
+    num_outputs: int
+    device: torch.device
+    dtype: torch.dtype
     vjp_fn: VjpFn
     readout: dict[str, ReadoutRole]
     readout_module: str | None
@@ -157,7 +162,7 @@ class VjpSetup:
             if len(rest):
                 parts.append(self.map_samples(fn, rest))
             return {n: torch.cat([p[n] for p in parts]) for n in parts[0]}
-        if self.strategy == "vmap":
+        if self.strategy == "vmap" and len(omegas) > 1:  # a batch of one gains nothing
             return self._vmap(fn, omegas)
         return self._loop(fn, omegas)
 
@@ -252,5 +257,16 @@ def prepare_vjp(
         for n, d in delta.items()
     }
     if use == "auto":
-        use = default_strategy(model, out)
-    return VjpSetup(model, out, vjp_fn, roles, module_name, views, use, strategy)
+        use = default_strategy(model, out.device)
+    return VjpSetup(
+        model,
+        out.numel(),
+        out.device,
+        out.dtype,
+        vjp_fn,
+        roles,
+        module_name,
+        views,
+        use,
+        strategy,
+    )
