@@ -13,6 +13,7 @@ import socket
 import sys
 from collections.abc import Iterator
 from datetime import timedelta
+from typing import Any
 
 import pytest
 import torch
@@ -76,6 +77,20 @@ def _assert_close(got: dict[str, Tensor], want: dict[str, Tensor]) -> None:
         torch.testing.assert_close(got[n], want[n], rtol=RTOL, atol=0.0, msg=n)
 
 
+def _check_equals_one_process(
+    rank: int, model: nn.Module, x: Tensor, delta: dict[str, Tensor], case: dict[str, Any]
+) -> None:
+    """fd.estimate on the rank's shard: the same on every rank, and equal to ff.estimate on the
+    whole batch with the same omega seed."""
+    got = fd.estimate(
+        model, _shard(x, rank), delta, generator=torch.Generator().manual_seed(3), **case
+    )
+    _assert_same_on_all_ranks(got)
+    if rank == 0:
+        want = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(3), **case)
+        _assert_close(got, want)
+
+
 def _check_estimates(rank: int) -> None:
     model = _mlp()
     x_probe, _, _ = _batches()
@@ -89,15 +104,7 @@ def _check_estimates(rank: int) -> None:
         {"samples": 5, "omega": "rademacher", "strategy": "loop", "estimator": "full"},
     ]
     for case in cases:
-        got = fd.estimate(
-            model, _shard(x_probe, rank), delta, generator=torch.Generator().manual_seed(3), **case
-        )  # type: ignore[arg-type]
-        _assert_same_on_all_ranks(got)
-        if rank == 0:
-            want = ff.estimate(
-                model, x_probe, delta, generator=torch.Generator().manual_seed(3), **case
-            )  # type: ignore[arg-type]
-            _assert_close(got, want)
+        _check_equals_one_process(rank, model, x_probe, delta, case)
 
     # Per-rank omega draws: a different draw, but still identical estimates on every rank.
     local = fd.estimate(
@@ -124,16 +131,7 @@ def _check_sparse_embedding(rank: int) -> None:
     ids = torch.randint(0, 11, (sum(SHARDS), 2), generator=torch.Generator().manual_seed(2))
     delta = {n: 1e-2 * torch.ones_like(p) for n, p in model.named_parameters()}
     for strategy in ("auto", "loop"):  # vmap itself has no sparse batching rule, here or in ff
-        options = {"samples": 4, "strategy": strategy}
-        got = fd.estimate(
-            model, _shard(ids, rank), delta, generator=torch.Generator().manual_seed(3), **options
-        )  # type: ignore[arg-type]
-        _assert_same_on_all_ranks(got)
-        if rank == 0:
-            want = ff.estimate(
-                model, ids, delta, generator=torch.Generator().manual_seed(3), **options
-            )  # type: ignore[arg-type]
-            _assert_close(got, want)
+        _check_equals_one_process(rank, model, ids, delta, {"samples": 4, "strategy": strategy})
 
 
 def _check_ddp_with_fslr(rank: int) -> None:
