@@ -33,8 +33,9 @@ one-time set-up is negligible).
 
 Every child runs under ``RLIMIT_AS = --max-gb`` (default 12) so that it fails with an error
 instead of exhausting a shared machine; a case whose predicted peak exceeds the limit is skipped
-and reported as such (the unchunked default at T = 512 would need about 36 GB: S omegas of
-2.1 GB, their scaled copies, the output). ``--force`` runs it anyway, still under the limit.
+and reported as such (before the default chunked by bytes, it would have needed about 36 GB at
+T = 512: S omegas of 2.1 GB, their scaled copies, the output). ``--force`` runs it anyway,
+still under the limit.
 
 Targets (with library defaults, no user tuning, at T = 128 and T = 512): the default probe at
 S = 8 at least 1.3x faster than the sequential method measured in the same run, and its peak
@@ -181,7 +182,7 @@ CASES: dict[str, Case] = {
 """Case name -> set-up. Scripts that import this module may add cases before :func:`main`."""
 
 PREDICTED_COPIES: dict[str, Callable[[int], float]] = {
-    "default": lambda s: 2.2 * s + 2,
+    "default": lambda s: 2.2 + 2,  # chunked by bytes: one sample per chunk at this size
     "chunk1": lambda s: 2.2 + 2,
     "chunk2": lambda s: 4.4 + 2,
 }

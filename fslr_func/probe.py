@@ -144,7 +144,7 @@ def draw_omega(
     return fill_omega_(out, kind, generator).to(device=device, dtype=dtype)
 
 
-CHUNK_BYTES = 256 * 2**20
+CHUNK_BYTES = 64 * 2**20
 """What one chunk of samples may hold, in bytes, when ``chunk_size=None``."""
 
 
