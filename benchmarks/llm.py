@@ -57,6 +57,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from _memory import status_mib  # benchmarks/ is on sys.path when run as a script
 from torch import Tensor, nn
 
 import fslr_func as ff
@@ -189,15 +190,6 @@ PREDICTED_COPIES: dict[str, Callable[[int], float]] = {
 """Rough peak of a case in units of the output's bytes, for the memory guard (from S)."""
 
 
-def _status_mib(field: str) -> float:
-    """A field of /proc/self/status (VmRSS, VmHWM) in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return float(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def child(case: str, args: argparse.Namespace) -> dict[str, object]:
     """Body of one subprocess: build, reset the high-water mark, run the case once."""
     limit = int(args.max_gb * GIB)
@@ -209,11 +201,11 @@ def child(case: str, args: argparse.Namespace) -> dict[str, object]:
     fn = CASES[case](ctx)
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    resident = _status_mib("VmRSS")
+    resident = status_mib("VmRSS")
     start = time.perf_counter()
     fn()
     times = [time.perf_counter() - start]
-    return {"times": times, "resident_mib": resident, "peak_mib": _status_mib("VmHWM")}
+    return {"times": times, "resident_mib": resident, "peak_mib": status_mib("VmHWM")}
 
 
 def run_case(case: str, args: argparse.Namespace) -> dict[str, object]:

@@ -30,6 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from _memory import status_mib  # benchmarks/ is on sys.path when run as a script
 from torch import Tensor, nn
 
 import fslr_func as ff
@@ -104,15 +105,6 @@ def speed(kind: str, sample_counts: list[int], repeats: int) -> dict[str, float]
     return result
 
 
-def _status_mib(field: str) -> float:
-    """A field of /proc/self/status (VmRSS, VmHWM) in MiB."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return float(line.split()[1]) / 1024
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def peak_child(kind: str, samples: int, chunk_size: int | None) -> None:
     """Subprocess body: build the model, reset the RSS high-water mark, probe, print MiB.
 
@@ -126,10 +118,10 @@ def peak_child(kind: str, samples: int, chunk_size: int | None) -> None:
     ff.estimate(model, x, delta, samples=2)  # one-time lazy initialisation of torch.func
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-    baseline = _status_mib("VmRSS")
+    baseline = status_mib("VmRSS")
     if samples > 0:
         ff.estimate(model, x, delta, samples=samples, chunk_size=chunk_size)
-    print(json.dumps({"baseline_mib": baseline, "peak_mib": _status_mib("VmHWM")}))
+    print(json.dumps({"baseline_mib": baseline, "peak_mib": status_mib("VmHWM")}))
 
 
 def peak(kind: str, samples: int, chunk_size: int | None = 4) -> tuple[float, float]:
