@@ -94,6 +94,7 @@ from . import policies
 from .functional import Inputs
 from .probe_schedule import ProbeFeed, ProbePlan
 from .record import FSLRRecord, grouping_meta
+from .record_meta import is_learning_rate
 from .transform import FSLRModule
 
 __all__ = ["FLeRM", "SetPoint"]
@@ -233,8 +234,7 @@ class FLeRM:
                 "set record.meta['base_lr']"
             )
         lr0 = base.meta["base_lr"]
-        number = isinstance(lr0, (int, float)) and not isinstance(lr0, bool)
-        if not (number and math.isfinite(lr0) and lr0 > 0):
+        if not is_learning_rate(lr0):
             raise ValueError(f"the base record's meta['base_lr'] must be a number > 0, got {lr0!r}")
         stalled = [s for s, r in zip(base.steps, base.sched, strict=True) if r == 0]
         if base.lrs and stalled:

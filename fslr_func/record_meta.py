@@ -23,6 +23,7 @@ __all__ = [
     "META_KEYS",
     "default_meta",
     "grouping_meta",
+    "is_learning_rate",
     "jsonable",
     "library_version",
     "optimizer_meta",
@@ -83,6 +84,18 @@ def jsonable(obj: Any) -> Any:
     if callable(tolist):
         return jsonable(tolist())
     return repr(obj)
+
+
+def is_learning_rate(value: object) -> bool:
+    """Whether ``value`` can be a record's ``base_lr``: a finite int or float ``> 0`` (no bool).
+
+    Example:
+        >>> [is_learning_rate(v) for v in (1e-3, 0, float("nan"), True, "0.1")]
+        [True, False, False, False, False]
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    return math.isfinite(value) and value > 0
 
 
 def optimizer_meta(optimizer: Any) -> dict[str, Any]:

@@ -47,6 +47,7 @@ import torch
 from .functional import Inputs
 from .probe_schedule import ProbeFeed, ProbePlan
 from .record import FSLRRecord, grouping_meta, optimizer_meta
+from .record_meta import is_learning_rate
 from .transform import FSLRModule, Measurement
 
 __all__ = ["Recorder", "schedule_ratio"]
@@ -122,12 +123,7 @@ class Recorder:
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         meta: Mapping[str, Any] | None = None,
     ) -> None:
-        if base_lr is not None and not (
-            isinstance(base_lr, (int, float))
-            and not isinstance(base_lr, bool)
-            and math.isfinite(base_lr)
-            and base_lr > 0
-        ):
+        if base_lr is not None and not is_learning_rate(base_lr):
             raise ValueError(f"base_lr must be None or a finite number > 0, got {base_lr!r}")
         self.fm = fm
         self.optimizer = optimizer

@@ -178,19 +178,17 @@ class FSLRModule(nn.Module):
             The current FSLR estimates (name -> float64 scalar).
         """
         batches = inputs if isinstance(inputs, list) else [inputs]
-        options = self.options.replace(strategy=self.resolved_strategy)
         for batch in batches:
             result = run_probe(
                 self.module,
                 batch,
                 delta,
-                options,
+                self.options.replace(strategy=self.resolved_strategy),
                 generator=self.generator,
                 params=params,
                 reduction=self.reduction,
             )
             self.resolved_strategy = result.strategy
-            options = options.replace(strategy=result.strategy)
             self.readout_roles.update(result.readout)
             self.ema.update({n: mean_log_stats(s) for n, s in result.log_stats.items()})
         return self.fslr()
