@@ -1,10 +1,10 @@
 """The ``fslr`` console script: ``fslr demo``, ``fslr sweep`` and ``fslr plot``.
 
 - ``fslr demo``: the README's main job. ResMLP width transfer (32 to 256 units) on procedural
-  MNIST-1D, standard Adam against FLeRM, 9 learning rates an octave apart, 3 seeds
+  MNIST-1D, standard Adam against muP and FLeRM, 9 learning rates an octave apart, 3 seeds
   (:data:`fslr_func.experiments.configs.DEMO`). Writes ``summary.json``, ``transfer.png``,
   ``fslr_time.png`` and ``flerm_lrs.png`` to ``fslr_runs/demo`` (``--out``) and prints the
-  best learning rate per width for both modes and its shift in octaves.
+  best learning rate per width for each mode and its shift in octaves.
 - ``fslr sweep``: the same for any built-in model, axis, scales and learning rates.
 - ``fslr plot``: re-draw the figures of a sweep folder, or plot a saved FSLR record.
 
@@ -31,6 +31,7 @@ from typing import Any
 
 from .atomic import write_json
 from .experiments.configs import AXES, DATA, DEMO, MODELS, MODES, ConfigError, SweepConfig
+from .experiments.train import OPTIMIZERS, SCHEDULES
 
 __all__ = ["build_parser", "main", "parse_lrs"]
 
@@ -191,6 +192,18 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
             "help": "probe strategy (pinned for reproducible sweeps; auto decides by timing)",
         },
     ),
+    "optimizer": (
+        "--optimizer",
+        {"choices": OPTIMIZERS, "help": "optimiser of every mode (sgd: momentum 0.9)"},
+    ),
+    "weight_decay": (
+        "--weight-decay",
+        {"type": _number, "help": "weight decay (decoupled for adamw)"},
+    ),
+    "schedule": (
+        "--schedule",
+        {"choices": SCHEDULES, "help": "learning-rate schedule (warmup_cosine: 10%% warm-up)"},
+    ),
     "flerm_mode": (
         "--flerm-mode",
         {
@@ -242,20 +255,20 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     sub.required = True
     demo = sub.add_parser(
         "demo",
-        help="ResMLP width transfer on bundled data, standard vs FLeRM (a few minutes)",
+        help="ResMLP width transfer on bundled data, standard vs muP vs FLeRM (a few minutes)",
         description="ResMLP width transfer (32 to 256 units) on procedural MNIST-1D: standard "
-        "Adam vs FLeRM over 9 learning rates. Writes summary.json and PNGs and prints the "
+        "Adam vs muP vs FLeRM over 9 learning rates. Writes summary.json and PNGs and prints the "
         "best learning rate per width. Every option defaults to the demo's configuration.",
     )
     _add_sweep_options(demo, DEMO, "fslr_runs/demo")
     sweep = sub.add_parser(
         "sweep",
-        help="learning rates x scales x {standard, FLeRM} for a built-in model",
+        help="learning rates x scales x {standard, muP, FLeRM} for a built-in model",
         description="Learning-rate transfer sweep: every learning rate x scale x seed, with "
-        "plain Adam and with FLeRM (base = the smallest scale). Runs are cached in the output "
-        "folder; run the same command again to resume. The defaults shown are the ResMLP's; "
-        "with --model transformer the data, width, depth, batch size and learning rates "
-        "default to the transformer's (text, 32, 2, 16, 2^-12..2^-4).",
+        "the plain optimiser, in muP and with FLeRM (base = the smallest scale). Runs are "
+        "cached in the output folder; run the same command again to resume. The defaults shown "
+        "are the ResMLP's; with --model transformer the data, width, depth, batch size and "
+        "learning rates default to the transformer's (text, 32, 2, 16, 2^-12..2^-4).",
     )
     _add_sweep_options(sweep, SweepConfig(), "fslr_runs/<model>_<axis>")
     plot = sub.add_parser(

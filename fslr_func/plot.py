@@ -126,13 +126,25 @@ def _scale_label(summary: Mapping[str, Any], scale: float) -> str:
     return f"{axis} {scale:g}x"
 
 
+_OPTIMIZER_NAMES = {
+    "adam": "Adam",
+    "adamw": "AdamW",
+    "sgd": "SGD",
+    "signsgd": "sign-SGD",
+    "adagrad": "Adagrad",
+    "adamax": "Adamax",
+}
+
+
 def plot_transfer(
     summary: Mapping[str, Any],
     path: str | os.PathLike[str],
     *,
     title: str | None = None,
 ) -> Path:
-    """Loss against learning rate per scale: standard on top, FLeRM below (paper figure 2).
+    """Loss against learning rate per scale, one panel per mode (standard, muP, FLeRM; paper
+    figure 2). A panel whose shift is only a lower bound (a best learning rate on the edge of
+    the grid) says so in its title.
 
     Args:
         summary: a sweep summary (:func:`fslr_func.experiments.sweep.summarise`).
@@ -165,7 +177,9 @@ def plot_transfer(
         for k in summary["modes"][m]["loss"]
     ]
     top = max((v for v in starts if v is not None), default=None)
-    names = {"standard": "standard (Adam)", "flerm": "FLeRM"}
+    optimizer = summary.get("config", {}).get("optimizer", "adam")
+    optimizer = _OPTIMIZER_NAMES.get(optimizer, optimizer)
+    names = {"standard": f"standard ({optimizer})", "mup": "muP", "flerm": "FLeRM"}
     for ax, mode in zip(axes, modes, strict=True):
         data = summary["modes"][mode]
         for colour, scale in zip(colours, scales, strict=True):
@@ -186,7 +200,10 @@ def plot_transfer(
                     zorder=5,
                 )
         shift = data.get("shift_octaves")
-        note = "" if shift is None else f": optimum shift {shift:+.3g} octaves"
+        bound = ">= " if data.get("shift_bound") else ""
+        note = "" if shift is None else f": optimum shift {bound}{shift:+.3g} octaves"
+        if data.get("edge"):
+            note += " (best lr on the grid's edge)"
         ax.set_title(f"{names.get(mode, mode)}{note}", fontsize=10)
         ax.set_xscale("log", base=2)
         ax.set_ylabel("train loss (last batches)")
@@ -194,7 +211,7 @@ def plot_transfer(
         if finite and top is not None:
             lo = min(finite)
             ax.set_ylim(lo - 0.05 * (top - lo), top + 0.05 * (top - lo))
-    axes[-1].set_xlabel("learning rate (base model's, for FLeRM)")
+    axes[-1].set_xlabel("learning rate (base model's, for muP and FLeRM)")
     axes[0].legend(fontsize=8, loc="best")
     config = summary.get("config", {})
     fig.suptitle(

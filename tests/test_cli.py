@@ -32,6 +32,7 @@ def test_demo_smoke_writes_files_and_summary(
     assert main(["demo", "--out", str(out), *TINY]) == 0
     printed = capsys.readouterr().out
     assert "standard best lr" in printed and "flerm best lr" in printed and "shift" in printed
+    assert "mup best lr" in printed
     for name in PNGS:
         png = out / name
         assert png.stat().st_size > 1000, name
@@ -39,7 +40,7 @@ def test_demo_smoke_writes_files_and_summary(
     assert summary["axis"] == "width" and summary["scales"] == [1.0, 2.0]
     assert summary["lrs"] == [2.0**-7, 2.0**-5]
     assert summary["config"]["data"] == "digits" and summary["wall_seconds"] > 0
-    for mode in ("standard", "flerm"):
+    for mode in ("standard", "mup", "flerm"):
         m = summary["modes"][mode]
         assert set(m["best_lr"]) == set(m["best_loss"]) == {"1", "2"}
         assert all(lr in summary["lrs"] for lr in m["best_lr"].values())
@@ -49,7 +50,7 @@ def test_demo_smoke_writes_files_and_summary(
     # a finished sweep re-plots from its cache, without training or even loading the data
     monkeypatch.setattr(sweep, "builtin_task", _no_data)
     assert main(["demo", "--out", str(out), *TINY]) == 0
-    assert "0 run(s) trained, 8 cached" in capsys.readouterr().out
+    assert "0 run(s) trained, 12 cached" in capsys.readouterr().out
 
 
 def test_sweep_depth_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -92,8 +92,8 @@ def _sweep(cfg: SweepConfig, out: Path, **kw: Any) -> Any:
 def test_layout_and_summary_fields(tmp_path: Path) -> None:
     cfg = tiny_config()
     result = _sweep(cfg, tmp_path)
-    assert len(result.executed) == len(grid(cfg)) == 16
-    assert len(list((tmp_path / "runs").glob("*.json"))) == 16
+    assert len(result.executed) == len(grid(cfg)) == 24
+    assert len(list((tmp_path / "runs").glob("*.json"))) == 24
     for lr in ("0.01", "0.04"):
         for seed in (0, 1):
             rec = FSLRRecord.load(tmp_path / "records" / f"lr={lr}_seed={seed}.json")
@@ -101,7 +101,7 @@ def test_layout_and_summary_fields(tmp_path: Path) -> None:
         assert (tmp_path / "records" / f"lr={lr}_mean.json").exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["axis"] == "width" and summary["scales"] == [1.0, 2.0]
-    for mode in ("standard", "flerm"):
+    for mode in ("standard", "mup", "flerm"):
         m = summary["modes"][mode]
         assert set(m["best_lr"]) == {"1", "2"} and set(m["best_loss"]) == {"1", "2"}
         assert all(v in (0.01, 0.04) for v in m["best_lr"].values())
@@ -135,10 +135,10 @@ def test_deleted_run_and_grown_grid_rerun_only_what_is_missing(tmp_path: Path) -
     key = RunSpec("standard", 2.0, 0.04, 0).key
     (tmp_path / "runs" / f"{key}.json").unlink()
     assert _sweep(cfg, tmp_path).executed == [key]
-    # a new learning rate: its standard runs (base one records) and FLeRM runs only
+    # a new learning rate: its standard (base one records), muP and FLeRM runs only
     more = cfg.replace(lrs=(0.01, 0.04, 0.02))
     assert sorted(_sweep(more, tmp_path).executed) == sorted(
-        RunSpec(m, s, 0.02, 0).key for m in ("standard", "flerm") for s in (1.0, 2.0)
+        RunSpec(m, s, 0.02, 0).key for m in ("standard", "mup", "flerm") for s in (1.0, 2.0)
     )
     # a deleted base record is re-recorded; FLeRM runs of that lr stay valid (same seeds)
     (tmp_path / "records" / "lr=0.01_seed=0.json").unlink()
@@ -148,11 +148,11 @@ def test_deleted_run_and_grown_grid_rerun_only_what_is_missing(tmp_path: Path) -
 def test_other_config_or_more_seeds_reruns(tmp_path: Path) -> None:
     cfg = tiny_config(seeds=1, scales=(1,), lrs=(0.01,))
     _sweep(cfg, tmp_path)
-    assert len(_sweep(cfg.replace(steps=7), tmp_path).executed) == 2  # fingerprint changed
+    assert len(_sweep(cfg.replace(steps=7), tmp_path).executed) == 3  # fingerprint changed
     # seed 1 is new; FLeRM seed 0 re-runs because its base record is now a 2-seed mean
     executed = _sweep(cfg.replace(steps=7, seeds=2), tmp_path).executed
     assert sorted(executed) == sorted(
-        [RunSpec("standard", 1.0, 0.01, 1).key]
+        [RunSpec("standard", 1.0, 0.01, 1).key, RunSpec("mup", 1.0, 0.01, 1).key]
         + [RunSpec("flerm", 1.0, 0.01, s).key for s in (0, 1)]
     )
 
@@ -197,7 +197,7 @@ def test_depth_sweep_uses_share_blocks(tmp_path: Path) -> None:
 def test_diverged_runs_score_infinity(tmp_path: Path) -> None:
     cfg = tiny_config(seeds=1, lrs=(0.01, 1e30), steps=20, last=5)
     result = _sweep(cfg, tmp_path)
-    for mode in ("standard", "flerm"):
+    for mode in ("standard", "mup", "flerm"):
         m = result.summary["modes"][mode]
         assert m["loss"]["2"][1] is None and m["best_lr"]["2"] == 0.01
     run = result.runs[RunSpec("standard", 2.0, 1e30, 0).key]

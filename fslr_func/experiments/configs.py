@@ -2,10 +2,12 @@
 
 A sweep trains one model family at several *scales* along one *axis* (width, depth or
 initialisation scale; the smallest scale is the base model) for every learning rate and seed,
-once with plain Adam at that learning rate (``"standard"``) and once with FLeRM driven by the
-base model's FSLRs recorded at that learning rate (``"flerm"``). A config is plain, frozen and
-JSON-able: every run of a sweep is a pure function of its config and ``(mode, scale, lr, seed)``,
-which is what makes the sweep cache (:mod:`fslr_func.experiments.cache`) safe.
+once with the plain optimiser at that learning rate (``"standard"``), once in muP with the base
+model as muP's base shapes (``"mup"``, :mod:`fslr_func.experiments.mup`) and once with FLeRM
+driven by the base model's FSLRs recorded at that learning rate (``"flerm"``). A config is
+plain, frozen and JSON-able: every run of a sweep is a pure function of its config and
+``(mode, scale, lr, seed)``, which is what makes the sweep cache
+(:mod:`fslr_func.experiments.cache`) safe.
 
 :data:`DEMO` is the configuration of ``fslr demo``: change the demo here, in one place.
 
@@ -31,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fslr_func.experiments.train import OPTIMIZERS, SCHEDULES
 from fslr_func.flerm import Mode
 from fslr_func.options import STRATEGIES, Strategy
 
@@ -55,7 +58,7 @@ MODELS = ("resmlp", "transformer")
 #: Data sets each built-in model can train on.
 DATA: dict[str, tuple[str, ...]] = {"resmlp": ("mnist1d", "digits"), "transformer": ("text",)}
 #: Training modes compared by a sweep.
-MODES = ("standard", "flerm")
+MODES = ("standard", "mup", "flerm")
 
 #: Fields that do not change what a single run computes (so not part of its cache fingerprint).
 _NOT_RUN_FIELDS = ("scales", "lrs", "seeds", "modes")
@@ -123,7 +126,7 @@ class SweepConfig:
         axis: ``"width"``, ``"depth"`` or ``"init_scale"``.
         scales: multipliers of the base model along ``axis``; the smallest is the base.
             Width and depth multipliers must give whole numbers of units and blocks.
-        lrs: Adam learning rates (the base model's ``lr_0`` in FLeRM mode).
+        lrs: learning rates (the base model's ``lr_0`` in FLeRM and muP modes).
         steps: optimiser steps per run.
         seeds: seeds per (mode, scale, lr); base records are averaged over them (paper: 8).
         data: ``"mnist1d"`` or ``"digits"`` (ResMLP), ``"text"`` (transformer: Python's own
@@ -144,7 +147,12 @@ class SweepConfig:
         flerm_mode: ``"static"`` (the paper's main results: rates set once, at step 0, after
             the EMA warm-up) or ``"periodic"`` (and again every ``every`` steps, matching the
             base record over time).
-        modes: which of ``"standard"`` and ``"flerm"`` to run.
+        modes: which of ``"standard"``, ``"mup"`` and ``"flerm"`` to run.
+        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` (momentum 0.9), ``"signsgd"``,
+            ``"adagrad"`` or ``"adamax"`` (:func:`~fslr_func.experiments.train.make_optimizer`).
+        weight_decay: the optimiser's weight decay (decoupled for AdamW).
+        schedule: ``"constant"``, ``"cosine"`` or ``"warmup_cosine"`` (10% linear warm-up);
+            FLeRM follows the scaled run's own schedule.
         strategy: the probe strategy of every run (:func:`fslr_func.with_fslr`). Pinned, not
             ``"auto"``: ``"auto"`` decides by timing and vmap and the loop differ in float
             rounding, while a sweep must be reproducible (FLeRM at the base scale reproduces
@@ -171,6 +179,9 @@ class SweepConfig:
     flerm_mode: Mode = "static"
     modes: tuple[str, ...] = MODES
     strategy: Strategy = "vmap"
+    optimizer: str = "adam"
+    weight_decay: float = 0.0
+    schedule: str = "constant"
 
     def __post_init__(self) -> None:
         # normalise sequences to sorted/ordered tuples of floats, so equal configs compare equal
@@ -341,6 +352,21 @@ class SweepConfig:
             f"must be 'static' or 'periodic', got {self.flerm_mode!r}",
         )
         need(bool(self.modes), "modes", f"must include one of {', '.join(MODES)}")
+        need(
+            self.optimizer in OPTIMIZERS,
+            "optimizer",
+            f"must be one of {', '.join(OPTIMIZERS)}, got {self.optimizer!r}",
+        )
+        need(
+            math.isfinite(self.weight_decay) and self.weight_decay >= 0,
+            "weight_decay",
+            f"must be a finite number >= 0, got {self.weight_decay!r}",
+        )
+        need(
+            self.schedule in SCHEDULES,
+            "schedule",
+            f"must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}",
+        )
         return self
 
     def _validate_builtin(self, need: Callable[[bool, str, str], None]) -> None:

@@ -1,7 +1,9 @@
 """One run of a sweep: :class:`RunSpec` names it, :func:`execute` trains it.
 
-A run is standard Adam at its learning rate (the base-scale ones also record their FSLRs) or
-Adam driven by :class:`~fslr_func.flerm.FLeRM` from the base record of its learning rate. Its
+A run is the sweep's optimiser at its learning rate (``standard``; the base-scale ones also
+record their FSLRs), in muP with the base model's shapes (``mup``,
+:func:`~fslr_func.experiments.mup.apply_mup`), or driven by :class:`~fslr_func.flerm.FLeRM`
+from the base record of its learning rate (``flerm``). Its
 result is a small JSON-able dict (``"format": RUN_FORMAT``), the document the cache stores.
 
 Example:
@@ -26,8 +28,9 @@ from ..record import FSLRRecord
 from ..recorder import Recorder
 from ..wrap import with_fslr
 from .configs import MODES, SweepConfig, lr_key, scale_key
+from .mup import apply_mup
 from .task import Task
-from .train import AroundStep, last_mean, train
+from .train import AroundStep, OnStep, last_mean, make_optimizer, make_schedule, train
 
 __all__ = ["RUN_FORMAT", "RunSpec", "execute", "grid"]
 
@@ -62,7 +65,7 @@ def grid(config: SweepConfig) -> list[RunSpec]:
     Example:
         >>> from fslr_func.experiments.configs import SweepConfig
         >>> len(grid(SweepConfig(scales=(1, 2), lrs=(0.1, 0.2, 0.3), seeds=2)))
-        24
+        36
     """
     return [
         RunSpec(mode, scale, lr, seed)
@@ -159,6 +162,15 @@ def execute(
     start = time.perf_counter()
     torch.manual_seed(spec.seed)
     model = task.build(spec.scale, spec.seed)
+    params: Any = model.parameters()
+    mup_lrs: dict[str, float] = {}
+    if spec.mode == "mup":
+        with torch.random.fork_rng():  # the same initialisation as the standard run
+            shapes = task.build(config.base_scale, spec.seed)
+        params = apply_mup(
+            model, shapes, spec.lr, weight_decay=config.weight_decay, optimizer=config.optimizer
+        )
+        mup_lrs = {g["name"]: g["lr"] for g in params}
     fm = with_fslr(
         model,
         samples=config.samples,
@@ -166,7 +178,9 @@ def execute(
         output_fn=task.output_fn,
         strategy=config.strategy,
     )
-    opt = torch.optim.Adam(fm.parameters(), lr=spec.lr)
+    opt = make_optimizer(config.optimizer, params, spec.lr, config.weight_decay)
+    sched = make_schedule(opt, config.schedule, config.steps)
+    on_step: OnStep | None = None if sched is None else lambda t, m, o: sched.step()
     probes = task.probe_batches(spec.seed)
     around: AroundStep | None = None
     recorder: Recorder | None = None
@@ -182,6 +196,7 @@ def execute(
             mode="periodic" if config.flerm_mode == "periodic" else "static",
             every=config.every,
             warmup_samples=config.warmup_samples,
+            scheduler=sched,
         )
         ctl = flerm
         around = lambda t: ctl.step()  # noqa: E731
@@ -191,6 +206,7 @@ def execute(
             probes,
             warmup_samples=config.warmup_samples,
             every=config.every,
+            scheduler=sched,
             meta={"seed": spec.seed, "scale": spec.scale, "lr": spec.lr},
         )
         rec = recorder
@@ -198,7 +214,13 @@ def execute(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         losses = train(
-            fm, task.train_batches(spec.seed), opt, config.steps, task.loss_fn, around_step=around
+            fm,
+            task.train_batches(spec.seed),
+            opt,
+            config.steps,
+            task.loss_fn,
+            on_step=on_step,
+            around_step=around,
         )
         loss = last_mean(losses, config.last) if len(losses) == config.steps else math.inf
         test_loss = None
@@ -212,6 +234,8 @@ def execute(
         time.perf_counter() - start,
         sorted({str(w.message) for w in caught})[:5],
     )
+    if mup_lrs:
+        result["mup"] = {"lrs": mup_lrs}
     if flerm is not None and flerm.history:
         point = flerm.history[0]
         result["flerm"] = {

@@ -17,7 +17,7 @@ Example:
     ...             train_batches=lambda seed: batches(x, y, 16, seed),
     ...             probe_batches=lambda seed: (b for b, _ in batches(x, y, 16, seed + 9)))
     >>> config = SweepConfig(scales=(1, 2), lrs=(0.01,), steps=4, seeds=1, last=2,
-    ...                      samples=4, warmup_samples=4, every=2)
+    ...                      samples=4, warmup_samples=4, every=2, modes=("standard", "flerm"))
     >>> order, records = [], {}
     >>> def finish(spec, result, record):
     ...     order.append(spec.key)

@@ -3,7 +3,9 @@
 A (mode, scale, lr) cell scores the mean over seeds of its runs' losses (infinite when a seed
 diverged or is missing); the best learning rate of a scale is the grid point with the lowest
 score, and its *shift* from the base to the largest scale is measured in octaves,
-``log2(best_lr[largest] / best_lr[base])``.
+``log2(best_lr[largest] / best_lr[base])``. A best learning rate on the edge of the grid (its
+smallest or largest rate) may not be the optimum: the scales where that happens are listed in
+``edge``, and a shift involving one is only a bound (``shift_bound``: ``"lower"`` on its size).
 
 Example:
     >>> from fslr_func.experiments.configs import SweepConfig
@@ -54,7 +56,9 @@ def summarise(
         ``{"axis", "scales", "lrs", "modes": {mode: {"best_lr": {scale: lr}, "best_loss":
         {scale: loss}, "shift_octaves": log2(best_lr[largest] / best_lr[base]), "loss":
         {scale: [score per lr, None if infinite]}, "test_loss": {scale: test loss at the best
-        lr}}}, "identity_check": {...}, "config": {...}, "runs": n}``; scales are keys like
+        lr}, "edge": [scales whose best lr is the grid's smallest or largest], "shift_bound":
+        "lower" when the base or largest scale is one of them, else None}}, "identity_check":
+        {...}, "config": {...}, "runs": n}``; scales are keys like
         ``"8"``, learning rates floats; ``None`` where nothing converged.
     """
     modes: dict[str, Any] = {}
@@ -79,9 +83,13 @@ def summarise(
             best_loss[sk] = scores[i] if found else None
             test[sk] = tests[i] if found else None
         lo, hi = best_lr[scale_key(config.scales[0])], best_lr[scale_key(config.scales[-1])]
+        edge = [k for k, v in best_lr.items() if v in (config.lrs[0], config.lrs[-1])]
+        ends = {scale_key(config.scales[0]), scale_key(config.scales[-1])}
         modes[mode] = {
             "best_lr": best_lr,
             "shift_octaves": None if lo is None or hi is None else round(math.log2(hi / lo), 6),
+            "edge": edge,
+            "shift_bound": "lower" if ends & set(edge) and len(config.lrs) > 1 else None,
             "best_loss": best_loss,
             "test_loss": test,
             "loss": table,
@@ -134,6 +142,9 @@ def _fmt_lr(lr: float | None) -> str:
 def format_table(summary: Mapping[str, Any]) -> str:
     """The best learning rate and loss per scale for each mode, and the shifts in octaves.
 
+    A best learning rate on the edge of the grid is marked ``!`` and a shift that is only a
+    lower bound ``>=``, explained in a last line.
+
     Example:
         >>> s = {"axis": "width", "scales": [1.0, 8.0], "modes": {
         ...     "standard": {"best_lr": {"1": 0.0625, "8": 0.0078125}, "shift_octaves": -3.0,
@@ -155,11 +166,17 @@ def format_table(summary: Mapping[str, Any]) -> str:
         for m in modes:
             loss = summary["modes"][m]["best_loss"].get(sk)
             lr = _fmt_lr(summary["modes"][m]["best_lr"].get(sk))
+            lr += "!" if sk in summary["modes"][m].get("edge", ()) else ""
             cells.append(f"{lr:<18} {'-' if loss is None else f'{loss:.4f}':<8}")
         lines.append(f"{sk + 'x':<8} " + " ".join(cells))
     shifts = []
     for m in modes:
         x = summary["modes"][m]["shift_octaves"]
-        shifts.append(f"{'-' if x is None else f'{x:+.3g} octaves':<27}")
+        bound = ">=" if summary["modes"][m].get("shift_bound") else ""
+        shifts.append(f"{'-' if x is None else f'{bound}{x:+.3g} octaves':<27}")
     lines.append(f"{'shift':<8} " + " ".join(shifts))
+    if any(summary["modes"][m].get("edge") for m in modes):
+        lines.append(
+            "! best learning rate on the edge of the grid: widen --lrs (a shift >= is a bound)"
+        )
     return "\n".join(line.rstrip() for line in lines)

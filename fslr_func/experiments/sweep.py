@@ -60,7 +60,7 @@ Example:
     ...     result = run_sweep(cfg, out, task=task, quiet=True)
     ...     again = run_sweep(cfg, out, task=task, quiet=True)  # all cached: nothing runs
     >>> len(result.executed), len(again.executed), sorted(result.summary["modes"])
-    (8, 0, ['flerm', 'standard'])
+    (12, 0, ['flerm', 'mup', 'standard'])
 """
 
 from __future__ import annotations

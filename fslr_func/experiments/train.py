@@ -9,6 +9,10 @@
 
 :func:`last_mean` is the paper's metric: the training loss averaged over the last batches, with
 a diverged run scoring ``inf``.
+
+:func:`make_optimizer` and :func:`make_schedule` build the optimisers of the paper's appendix
+(Adam, AdamW, SGD with momentum, sign-SGD, Adagrad, Adamax) and the schedules (constant,
+cosine, warm-up + cosine) a sweep names.
 """
 
 from __future__ import annotations
@@ -22,7 +26,28 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["AroundStep", "LossFn", "OnStep", "last_mean", "lm_loss", "train"]
+__all__ = [
+    "OPTIMIZERS",
+    "SCHEDULES",
+    "AroundStep",
+    "LossFn",
+    "OnStep",
+    "SignSGD",
+    "last_mean",
+    "lm_loss",
+    "make_optimizer",
+    "make_schedule",
+    "train",
+]
+
+#: Optimisers a sweep can name (:func:`make_optimizer`).
+OPTIMIZERS = ("adam", "adamw", "sgd", "signsgd", "adagrad", "adamax")
+#: Learning-rate schedules a sweep can name (:func:`make_schedule`).
+SCHEDULES = ("constant", "cosine", "warmup_cosine")
+#: Momentum of ``"sgd"``.
+SGD_MOMENTUM = 0.9
+#: Fraction of the steps that ``"warmup_cosine"`` warms up over.
+WARMUP_FRACTION = 0.1
 
 #: ``loss_fn(output, target) -> scalar tensor``.
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -40,6 +65,93 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
         1.3863
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+
+
+class SignSGD(torch.optim.Optimizer):
+    r"""Sign gradient descent: :math:`W \leftarrow W - \eta (\operatorname{sign}(g) + \lambda W)`.
+
+    Example:
+        >>> w = nn.Parameter(torch.tensor([1.0, -2.0]))
+        >>> w.grad = torch.tensor([0.3, -5.0])
+        >>> SignSGD([w], lr=0.5).step()
+        >>> w.data
+        tensor([ 0.5000, -1.5000])
+    """
+
+    def __init__(self, params: Any, lr: float, weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure: None = None) -> None:  # type: ignore[override]
+        """One step with each group's ``lr`` and ``weight_decay``."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad.sign() + group["weight_decay"] * p, alpha=-group["lr"])
+
+
+def make_optimizer(
+    name: str, params: Any, lr: float, weight_decay: float = 0.0
+) -> torch.optim.Optimizer:
+    """The optimiser ``name`` of :data:`OPTIMIZERS` over ``params`` (tensors or param groups).
+
+    ``"sgd"`` has momentum :data:`SGD_MOMENTUM`; ``weight_decay`` is decoupled for AdamW and
+    added to the gradient (or, for sign-SGD, to the step) for the others. Param groups keep
+    their own ``lr`` and ``weight_decay``.
+
+    Example:
+        >>> type(make_optimizer("adamw", nn.Linear(2, 2).parameters(), 0.1, 0.01)).__name__
+        'AdamW'
+    """
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=SGD_MOMENTUM, weight_decay=weight_decay)
+    if name == "signsgd":
+        return SignSGD(params, lr=lr, weight_decay=weight_decay)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=lr, weight_decay=weight_decay)
+    if name == "adamax":
+        return torch.optim.Adamax(params, lr=lr, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose one of {', '.join(OPTIMIZERS)}")
+
+
+def _schedule_factor(name: str, steps: int, t: int) -> float:
+    """The schedule's ratio to the initial rate at step ``t``.
+
+    Example:
+        >>> [round(_schedule_factor("warmup_cosine", 20, t), 3) for t in (0, 1, 2, 11, 19)]
+        [0.5, 1.0, 1.0, 0.5, 0.008]
+    """
+    warm = max(1, round(WARMUP_FRACTION * steps)) if name == "warmup_cosine" else 0
+    if t < warm:
+        return (t + 1) / warm
+    return 0.5 * (1.0 + math.cos(math.pi * (t - warm) / max(1, steps - warm)))
+
+
+def make_schedule(
+    optimizer: torch.optim.Optimizer, name: str, steps: int
+) -> torch.optim.lr_scheduler.LambdaLR | None:
+    r"""The schedule ``name`` of :data:`SCHEDULES` over ``steps`` steps (``None``: constant).
+
+    ``"cosine"``: :math:`\eta_t = \eta \, \tfrac12 (1 + \cos(\pi t / T))`;
+    ``"warmup_cosine"``: linear warm-up over the first :data:`WARMUP_FRACTION` of the steps,
+    then a cosine to zero over the rest. Every param group is scaled by the same ratio. Call
+    its ``step()`` after each ``optimizer.step()``.
+
+    Example:
+        >>> opt = make_optimizer("adam", nn.Linear(2, 2).parameters(), 1.0)
+        >>> sched = make_schedule(opt, "cosine", 4)
+        >>> [round(sched.lr_lambdas[0](t), 3) for t in range(4)]
+        [1.0, 0.854, 0.5, 0.146]
+    """
+    if name == "constant":
+        return None
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda t: _schedule_factor(name, steps, t))
 
 
 def train(
@@ -91,9 +203,12 @@ def train(
             inputs, target = next(it)
         except StopIteration:
             raise ValueError(f"batches ran out after {step} of {steps} steps") from None
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model(*args), target)
+        if isinstance(inputs, dict):
+            output = model(**inputs)
+        else:
+            output = model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+        loss = loss_fn(output, target)
         value = loss.item()
         losses.append(value)
         if stop_on_divergence and not math.isfinite(value):

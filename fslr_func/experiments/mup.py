@@ -1,0 +1,228 @@
+r"""muP (maximal update parametrisation) for any model, as a sweep baseline: no rewrite needed.
+
+The rules of the ``mup`` package (Yang et al., Tensor Programs V; ``MuReadout``,
+``set_base_shapes``, ``MuAdam``/``MuSGD``), re-implemented without its ``torchvision``
+dependency and applied to a built model in place. ``tests/test_mup.py`` checks them against the
+package's per-tensor learning rates, initialisation and outputs when it is installed.
+
+A dimension of a tensor is *infinite* when its size differs from the same tensor's in the base
+model (same name); its width multiplier is :math:`m = n / n_\text{base}`. A tensor with no base
+counterpart (the extra blocks of a deeper model) has only finite dimensions: muP scales width
+only. With :math:`m_\text{in}` and :math:`m_\text{out}` the multipliers of a weight's fan-in
+(dim 1) and fan-out (dim 0), 1 for a finite dimension, and :math:`m` the multiplier of the last
+infinite dimension of a tensor:
+
+- **Readout** (a linear layer with a finite fan-out and an infinite fan-in, like the package's
+  ``MuReadout``): its weight and bias are multiplied by :math:`\sqrt{m}` at initialisation and
+  its input by :math:`1 / m` in every forward pass (the package's default ``output_mult=1``).
+- **Other linear layers**: the bias is multiplied by :math:`\sqrt{m_\text{in}}` (the weight
+  keeps its fan-in initialisation).
+- **Adam-like optimisers** (Adam, AdamW, Adamax, Adagrad, RMSprop, sign-SGD: entrywise
+  normalised updates): a tensor with two infinite dimensions (a hidden matrix) gets
+  :math:`\eta / m_\text{in}` and weight decay :math:`\lambda \, m_\text{in}`; every other
+  tensor keeps :math:`\eta` and :math:`\lambda`.
+- **SGD**: one infinite dimension: :math:`\eta \, m`, :math:`\lambda / m`; two:
+  :math:`\eta \, m_\text{out} / m_\text{in}`, :math:`\lambda \, m_\text{in} / m_\text{out}`.
+
+Attention logits: muP divides them by the head dimension instead of its square root; the
+built-in transformer keeps its head dimension fixed (16) as it widens, so they need no change.
+
+Example:
+    >>> import torch
+    >>> from torch import nn
+    >>> def mlp(width):
+    ...     return nn.Sequential(nn.Linear(4, width), nn.ReLU(), nn.Linear(width, width),
+    ...                          nn.ReLU(), nn.Linear(width, 3))
+    >>> base, model = mlp(8), mlp(32)
+    >>> groups = apply_mup(model, base, lr=0.01)
+    >>> {g["name"]: g["lr"] for g in groups}["2.weight"]  # hidden: 0.01 / 4
+    0.0025
+    >>> readouts(model, base)
+    {'4': 4.0}
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+
+__all__ = [
+    "ADAM_LIKE",
+    "SGD_LIKE",
+    "apply_mup",
+    "mup_groups",
+    "readouts",
+    "width_mults",
+]
+
+#: Optimisers (by the sweeps' names) that muP treats like Adam: entrywise normalised updates.
+ADAM_LIKE = ("adam", "adamw", "adamax", "adagrad", "rmsprop", "signsgd")
+#: Optimisers muP treats like SGD.
+SGD_LIKE = ("sgd",)
+
+#: Per tensor, per dimension: the width multiplier ``n / n_base``, ``None`` for a finite one.
+Mults = dict[str, tuple[float | None, ...]]
+
+
+def width_mults(model: nn.Module, base: nn.Module | Mapping[str, Any]) -> Mults:
+    """The width multiplier of every dimension of every parameter (``None``: finite).
+
+    Args:
+        model: the scaled model.
+        base: the base model, or its parameter shapes by name.
+
+    Example:
+        >>> from torch import nn
+        >>> width_mults(nn.Linear(16, 3), {"weight": (3, 4), "bias": (3,)})
+        {'weight': (None, 4.0), 'bias': (None,)}
+    """
+    shapes = (
+        {n: tuple(p.shape) for n, p in base.named_parameters()}
+        if isinstance(base, nn.Module)
+        else {n: tuple(s) for n, s in base.items()}
+    )
+    out: Mults = {}
+    for name, p in model.named_parameters():
+        ref = shapes.get(name, tuple(p.shape))
+        if len(ref) != p.dim():
+            raise ValueError(f"{name}: base shape {list(ref)} vs {list(p.shape)}: another rank")
+        out[name] = tuple(None if b == n else n / b for b, n in zip(ref, p.shape, strict=True))
+    return out
+
+
+def _main(mults: tuple[float | None, ...]) -> float:
+    """The multiplier of the last infinite dimension (the package's ``InfShape.width_mult``)."""
+    return next((m for m in reversed(mults) if m is not None), 1.0)
+
+
+def _lr_factor(mults: tuple[float | None, ...], kind: Literal["adam", "sgd"]) -> float:
+    r"""muP's factor on a tensor's learning rate (weight decay gets its inverse)."""
+    ninf = sum(m is not None for m in mults)
+    if ninf > 2:
+        raise NotImplementedError(f"muP is defined for at most 2 infinite dimensions, got {ninf}")
+    if kind == "adam":
+        return 1.0 / _main(mults) if ninf == 2 else 1.0
+    if ninf == 1:
+        return _main(mults)
+    if ninf == 2:
+        fan_out, fan_in = (m or 1.0 for m in mults[:2])
+        return fan_out / fan_in
+    return 1.0
+
+
+def readouts(model: nn.Module, base: nn.Module | Mapping[str, Any]) -> dict[str, float]:
+    """Readout layers by module name, with their width multiplier: the linear layers whose
+    fan-in is infinite and fan-out finite (the package asserts these are ``MuReadout``).
+
+    Example:
+        >>> from torch import nn
+        >>> readouts(nn.Linear(16, 3), {"weight": (3, 4), "bias": (3,)})
+        {'': 4.0}
+    """
+    mults = width_mults(model, base)
+    out: dict[str, float] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear):
+            fan_out, fan_in = mults[f"{name}.weight" if name else "weight"]
+            if fan_out is None and fan_in is not None:
+                out[name] = fan_in
+    return out
+
+
+def mup_groups(
+    model: nn.Module,
+    base: nn.Module | Mapping[str, Any],
+    lr: float,
+    *,
+    weight_decay: float = 0.0,
+    optimizer: str = "adam",
+) -> list[dict[str, Any]]:
+    """One optimiser param group per trainable tensor with muP's learning rate and weight decay.
+
+    Args:
+        model: the scaled model.
+        base: the base model or its parameter shapes.
+        lr: the base model's learning rate.
+        weight_decay: the base model's weight decay (coupled or decoupled: the package scales
+            both the same way).
+        optimizer: a name of :data:`ADAM_LIKE` or :data:`SGD_LIKE`.
+
+    Returns:
+        ``[{"params": [p], "name": name, "lr": ..., "weight_decay": ...}, ...]`` in
+        ``named_parameters()`` order; torch optimisers keep the extra ``"name"`` key.
+
+    Example:
+        >>> from torch import nn
+        >>> [(g["name"], g["lr"]) for g in mup_groups(nn.Linear(8, 8), nn.Linear(2, 2), 1.0)]
+        [('weight', 0.25), ('bias', 1.0)]
+        >>> [g["lr"] for g in mup_groups(nn.Linear(8, 8), nn.Linear(2, 2), 1.0, optimizer="sgd")]
+        [1.0, 4.0]
+    """
+    if optimizer in ADAM_LIKE:
+        kind: Literal["adam", "sgd"] = "adam"
+    elif optimizer in SGD_LIKE:
+        kind = "sgd"
+    else:
+        raise ValueError(f"muP rules for {optimizer!r} unknown: one of {ADAM_LIKE + SGD_LIKE}")
+    mults = width_mults(model, base)
+    groups = []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            f = _lr_factor(mults[name], kind)
+            groups.append(
+                {"params": [p], "name": name, "lr": lr * f, "weight_decay": weight_decay / f}
+            )
+    return groups
+
+
+def _scale_input(factor: float, module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
+    return (args[0] * factor, *args[1:])
+
+
+@torch.no_grad()
+def apply_mup(
+    model: nn.Module,
+    base: nn.Module | Mapping[str, Any],
+    lr: float,
+    *,
+    weight_decay: float = 0.0,
+    optimizer: str = "adam",
+) -> list[dict[str, Any]]:
+    r"""Turn a standard-parametrised ``model`` into muP in place; return its param groups.
+
+    Does what ``MuReadout`` + ``set_base_shapes(model, base)`` do to a freshly initialised model
+    (readout weight and bias times :math:`\sqrt{m}`, its input times :math:`1 / m`, other
+    linear biases times :math:`\sqrt{m_\text{in}}`) and returns :func:`mup_groups`. Call it
+    once, on a freshly built model. The base model is only read for its shapes. At the base
+    width (every :math:`m = 1`) the model and the rates are unchanged.
+
+    Args:
+        model: the scaled model, as built (any initialisation that scales with fan-in).
+        base: the base model or its parameter shapes.
+        lr: the base model's learning rate.
+        weight_decay: the base model's weight decay.
+        optimizer: a name of :data:`ADAM_LIKE` or :data:`SGD_LIKE`.
+
+    Returns:
+        The param groups for the optimiser (:func:`mup_groups`).
+    """
+    heads = readouts(model, base)
+    mults = width_mults(model, base)
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        if name in heads:
+            m = heads[name]
+            module.weight.mul_(math.sqrt(m))
+            if module.bias is not None:
+                module.bias.mul_(math.sqrt(m))
+            module.register_forward_pre_hook(functools.partial(_scale_input, 1.0 / m))
+        elif module.bias is not None:
+            fan_in = mults[f"{name}.weight" if name else "weight"][1]
+            module.bias.mul_(math.sqrt(fan_in or 1.0))
+    return mup_groups(model, base, lr, weight_decay=weight_decay, optimizer=optimizer)
