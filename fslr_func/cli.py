@@ -7,6 +7,9 @@
   best learning rate per width for each mode and its shift in octaves.
 - ``fslr sweep``: the same for any built-in model, axis, scales and learning rates.
 - ``fslr plot``: re-draw the figures of a sweep folder, or plot a saved FSLR record.
+- ``fslr check``: muP's coordinate check in function space: each tensor's movement per step
+  against scale for a built-in model, standard and FLeRM, drifting tensors flagged
+  (:mod:`fslr_func.experiments.check`; a model of your own goes in through a ``Task``).
 
 Runs are cached in the output folder: an interrupted command resumes where it stopped when run
 again, and a finished one re-plots instantly.
@@ -251,7 +254,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "demo, run a learning-rate transfer sweep, or plot results.",
     )
     parser.add_argument("--version", action="version", version=f"fslr_func {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,sweep,plot}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,sweep,plot,check}")
     sub.required = True
     demo = sub.add_parser(
         "demo",
@@ -281,7 +284,33 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     plot.add_argument(
         "--out", type=Path, default=None, help="where to write (default: beside the input)"
     )
-    return parser, {"demo": demo, "sweep": sweep, "plot": plot}
+    check = sub.add_parser(
+        "check",
+        help="coordinate check in function space: each tensor's FSLR against scale",
+        description="Train a built-in model at each scale for a few steps at one learning "
+        "rate, with the plain optimiser and with FLeRM (base = the smallest scale), and show "
+        "how each tensor's function-space movement per step (lr x FSLR) moves with scale; "
+        "tensors drifting by more than --threshold are flagged. Writes check.json and "
+        "check.png.",
+    )
+    for field in ("model", "axis", "scales", "data", "width", "depth", "batch_size"):
+        flag, kwargs = _OPTIONS[field]
+        check.add_argument(flag, dest=field, default=None, **kwargs)
+    check.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default: adam)")
+    check.add_argument("--lr", type=_positive_float, default=2.0**-6, help="(default: 2^-6)")
+    check.add_argument(
+        "--steps", type=_positive_int, default=10, help="steps per run, >= 2 (default: 10)"
+    )
+    check.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
+    check.add_argument(
+        "--threshold",
+        type=_positive_float,
+        default=2.0,
+        help="flag tensors whose movement changes by more than this factor (default: 2)",
+    )
+    check.add_argument("--out", type=Path, default=None, help="default: fslr_runs/check")
+    check.add_argument("--no-plots", action="store_true", help="write check.json only")
+    return parser, {"demo": demo, "sweep": sweep, "plot": plot, "check": check}
 
 
 def _config(args: argparse.Namespace, demo: bool) -> SweepConfig:
@@ -384,6 +413,57 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from .experiments.check import coord_check, format_check
+    from .experiments.task import builtin_task
+
+    given = {
+        f: getattr(args, f)
+        for f in ("axis", "scales", "data", "width", "depth", "batch_size")
+        if getattr(args, f) is not None
+    }
+    if args.steps < 2:
+        parser.error("argument --steps: must be at least 2 (step 0 is FLeRM's set point)")
+    try:
+        config = SweepConfig.for_model(
+            args.model or "resmlp", lrs=(args.lr,), steps=args.steps, last=1, **given
+        ).validate()
+    except ConfigError as err:
+        parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
+    out: Path = args.out or Path("fslr_runs") / "check"
+    if out.exists() and not out.is_dir():
+        parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
+    _note(
+        f"fslr check: {config.model} on {config.data}, {config.axis} x "
+        f"{','.join(f'{s:g}' for s in config.scales)}, lr {args.lr:g}, {args.steps} steps -> {out}"
+    )
+    task = builtin_task(config)
+    result = coord_check(
+        task,
+        config.scales,
+        args.lr,
+        steps=args.steps,
+        seed=args.seed,
+        every=1,
+        optimizer=args.optimizer,
+        threshold=args.threshold,
+    )
+    result["task"] = config.task_name
+    result["config"] = config.to_dict()
+    written = [out / "check.json"]
+    write_json(written[0], result, parents=True)
+    if not args.no_plots:
+        try:
+            from .plot import plot_check
+
+            written.append(plot_check(result, out / "check.png"))
+        except ImportError as err:
+            _note(f"note: no plots ({err})")
+    print(format_check(result))
+    print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fslr`` console script; returns the exit status.
 
@@ -394,6 +474,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "plot":
             return _plot(args, subs["plot"])
+        if args.command == "check":
+            return _check(args, subs["check"])
         return _run(args, subs[args.command], demo=args.command == "demo")
     except ImportError as err:
         print(f"fslr: error: {err}", file=sys.stderr)

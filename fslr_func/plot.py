@@ -7,6 +7,8 @@
   by the tensor's kind (input, hidden, readout, bias, attention...; paper figure 1).
 - :func:`plot_flerm_lrs`: the per-tensor learning rates FLeRM set at each scale, relative to
   the base learning rate.
+- :func:`plot_check`: ``fslr check``'s function-space movement of every tensor against scale,
+  one panel per mode, the tensors drifting by more than the threshold drawn thick.
 - :func:`plot_sweep` and :func:`plot_record`: all figures of a sweep folder or of a saved
   :class:`~fslr_func.record.FSLRRecord`.
 
@@ -35,6 +37,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "KIND_COLOURS",
+    "plot_check",
     "plot_flerm_lrs",
     "plot_fslr_time",
     "plot_record",
@@ -351,6 +354,52 @@ def _task_name(out: Path, default: str) -> str:
         return str(json.loads((out / "sweep.json").read_text())["task"])
     except (OSError, ValueError, KeyError, TypeError):
         return default
+
+
+def plot_check(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
+    """The figure of :func:`fslr_func.experiments.check.coord_check`: per mode, each tensor's
+    movement per step against scale (log-log), coloured by kind, drifting tensors thick.
+
+    Returns:
+        ``path``.
+    """
+    modes = list(result["modes"])
+    fig = _figure(5.2 * len(modes), 4.0)
+    axes = fig.subplots(1, len(modes), sharey=True, squeeze=False)[0]
+    scales = [float(s) for s in result["scales"]]
+    for ax, mode in zip(axes, modes, strict=True):
+        data = result["modes"][mode]
+        seen: set[str] = set()
+        for name in result["names"]:
+            kind = tensor_kind(name)
+            flagged = name in data["flagged"]
+            ax.plot(
+                scales,
+                data["movement"][name],
+                "o-",
+                color=KIND_COLOURS.get(kind, "black"),
+                lw=2.6 if flagged else 1.0,
+                ms=3,
+                alpha=1.0 if flagged else 0.6,
+                label=None if kind in seen else kind,
+            )
+            seen.add(kind)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("scale")
+        ax.set_title(
+            f"{mode}: {len(data['flagged'])} of {len(result['names'])} tensors drift "
+            f"> {result['threshold']:g}x",
+            fontsize=10,
+        )
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("||Δ_W f||_RMS per step")
+    axes[0].legend(fontsize=8, loc="best")
+    fig.suptitle(
+        f"function-space coordinate check: lr {result['lr']:.3g}, {result['steps']} steps",
+        fontsize=11,
+    )
+    return _save(fig, path)
 
 
 def plot_record(

@@ -1,0 +1,243 @@
+r"""``fslr check``: muP's coordinate check, in function space, for any model family.
+
+muP's coordinate check trains a model at several widths for a few steps and plots the size of
+each layer's activations against width: a parametrisation is right when nothing grows or shrinks
+with width. This is the same check on what FLeRM controls: for every parameter tensor ``W`` and
+scale ``s``, the function-space movement per step,
+
+.. math::
+
+    m_W(s) = \eta_W \, \mathrm{FSLR}_W = \lVert \Delta_W f \rVert_\mathrm{RMS},
+
+the RMS change of the model's outputs that the optimiser's update of ``W`` causes (the paper's
+function-space learning rate), averaged over the probes of a short run at one learning rate
+(each scale: the same seed, ``steps`` steps, a probe every ``every`` steps after an EMA warm-up,
+steps 1 and later). Under standard training the movements of a badly parametrised model drift with
+scale; under FLeRM (static, its set point at step 0 from the base scale's record of the same
+run) they should stay where the base model's were. A tensor whose movement changes by more than
+``threshold`` (default 2) between its smallest and largest value over the scales is flagged.
+
+Only tensors present at every scale are compared (along depth, the extra blocks have no
+counterpart; under FLeRM's ``share_blocks`` policy each block's share of its base block's
+movement then falls with depth by design).
+
+Example:
+    >>> import functools, torch
+    >>> from fslr_func.experiments import batches
+    >>> from fslr_func.experiments.task import Task
+    >>> x, y = torch.randn(256, 6), torch.randint(0, 3, (256,))
+    >>> def build(scale, seed):
+    ...     w = int(8 * scale)
+    ...     return torch.nn.Sequential(torch.nn.Linear(6, w), torch.nn.ReLU(),
+    ...                                torch.nn.Linear(w, 3))
+    >>> task = Task("tiny", build, functools.partial(batches, x, y, 32),
+    ...             lambda seed: (b for b, _ in batches(x, y, 32, seed + 99)))
+    >>> result = coord_check(task, (1, 4), 0.01, steps=4, every=1, warmup_samples=8)
+    >>> sorted(result["modes"]), result["names"][:2]
+    (['flerm', 'standard'], ['0.weight', '0.bias'])
+    >>> len(result["modes"]["standard"]["movement"]["0.weight"])
+    2
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from ..flerm import FLeRM
+from ..record import FSLRRecord
+from ..recorder import Recorder
+from ..wrap import with_fslr
+from .configs import scale_key
+from .task import Task
+from .train import make_optimizer, train
+
+__all__ = ["CHECK_MODES", "coord_check", "format_check"]
+
+#: Modes :func:`coord_check` compares.
+CHECK_MODES = ("standard", "flerm")
+
+
+def _run(
+    task: Task,
+    scale: float,
+    lr: float,
+    *,
+    steps: int,
+    seed: int,
+    every: int,
+    samples: int,
+    warmup_samples: int,
+    optimizer: str,
+    base: FSLRRecord | None,
+    policy: Any,
+) -> FSLRRecord:
+    """One short run at ``scale`` and its record (under FLeRM from ``base``, set at step 0)."""
+    torch.manual_seed(seed)
+    model = task.build(scale, seed)
+    fm = with_fslr(model, samples=samples, seed=seed, output_fn=task.output_fn, strategy="vmap")
+    opt = make_optimizer(optimizer, fm.parameters(), lr)
+    recorder = Recorder(  # from step 1 under FLeRM, whose set point measures step 0
+        fm,
+        task.probe_batches(seed),
+        optimizer=opt,
+        warmup_samples=warmup_samples,
+        every=every,
+        start_step=0 if base is None else 1,
+    )
+    flerm = None
+    if base is not None:
+        flerm = FLeRM(
+            fm,
+            opt,
+            base,
+            probe_batches=task.probe_batches(seed),  # the base's: at 1x the identity
+            policy=policy,
+            warmup_samples=warmup_samples,
+        )
+
+    @contextlib.contextmanager
+    def around(t: int) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            if flerm is not None:
+                stack.enter_context(flerm.step())  # outer: the recorder sees FLeRM's rates
+            stack.enter_context(recorder.step())
+            yield
+
+    train(fm, task.train_batches(seed), opt, steps, task.loss_fn, around_step=around)
+    return recorder.record
+
+
+def _movement(record: FSLRRecord) -> dict[str, float]:
+    """Per tensor, the geometric mean of ``lr_W * FSLR_W`` over the record's rows from step 1."""
+    logs: dict[str, list[float]] = {}
+    for step in record.steps[record.steps[0] == 0 :]:
+        rates = record.lrs_at(step)
+        for name, f in record.at(step).items():
+            if name in rates and f > 0:
+                logs.setdefault(name, []).append(math.log(rates[name] * f))
+    return {n: math.exp(sum(v) / len(v)) for n, v in logs.items()}
+
+
+def coord_check(
+    task: Task,
+    scales: Sequence[float],
+    lr: float,
+    *,
+    steps: int = 10,
+    seed: int = 0,
+    every: int = 1,
+    samples: int = 8,
+    warmup_samples: int = 40,
+    optimizer: str = "adam",
+    modes: Sequence[str] = CHECK_MODES,
+    threshold: float = 2.0,
+) -> dict[str, Any]:
+    r"""Each tensor's function-space movement per step against scale, standard and FLeRM.
+
+    Args:
+        task: the model family (:class:`~fslr_func.experiments.task.Task`; the built-in ones:
+            :func:`~fslr_func.experiments.task.builtin_task`).
+        scales: the scales; the smallest is FLeRM's base.
+        lr: the learning rate (FLeRM: the base model's).
+        steps: training steps per run (at least 2: step 0 is FLeRM's set point).
+        seed: the seed of every run.
+        every: probe every ``every`` steps after the warm-up at step 1.
+        samples: omega samples per probe.
+        warmup_samples: omega samples of the EMA warm-ups.
+        optimizer: a name of :data:`~fslr_func.experiments.train.OPTIMIZERS`.
+        modes: a subset of :data:`CHECK_MODES`.
+        threshold: flag tensors whose movement's max/min ratio over the scales exceeds it.
+
+    Returns:
+        ``{"scales", "lr", "names", "modes": {mode: {"movement": {name: [m_W per scale]},
+        "drift": {name: max / min}, "flagged": [names]}}, "threshold", "steps", "seed"}``
+        (JSON-able; names present at every scale, in the base model's order).
+
+    Raises:
+        ValueError: for fewer than 2 steps or an unknown mode.
+    """
+    if steps < 2:
+        raise ValueError(f"steps must be at least 2 (step 0 is FLeRM's set point), got {steps}")
+    bad = [m for m in modes if m not in CHECK_MODES]
+    if bad or not modes:
+        raise ValueError(f"modes must be some of {CHECK_MODES}, got {list(modes)}")
+    ordered = sorted(float(s) for s in scales)
+    kw: dict[str, Any] = {
+        "steps": steps,
+        "seed": seed,
+        "every": every,
+        "samples": samples,
+        "warmup_samples": warmup_samples,
+        "optimizer": optimizer,
+        "policy": task.policy or "identity",
+    }
+    base = _run(task, ordered[0], lr, base=None, **kw)
+    movements: dict[str, list[dict[str, float]]] = {}
+    for mode in modes:
+        movements[mode] = [
+            _movement(
+                base
+                if mode == "standard" and s == ordered[0]
+                else _run(task, s, lr, base=base if mode == "flerm" else None, **kw)
+            )
+            for s in ordered
+        ]
+    names = [n for n in base.names if all(n in m for ms in movements.values() for m in ms)]
+    out: dict[str, Any] = {}
+    for mode, per_scale in movements.items():
+        movement = {n: [m[n] for m in per_scale] for n in names}
+        drift = {n: max(v) / min(v) for n, v in movement.items()}
+        out[mode] = {
+            "movement": movement,
+            "drift": drift,
+            "flagged": [n for n in names if drift[n] > threshold],
+        }
+    return {
+        "scales": ordered,
+        "lr": lr,
+        "names": names,
+        "modes": out,
+        "threshold": threshold,
+        "steps": steps,
+        "seed": seed,
+    }
+
+
+def format_check(result: Mapping[str, Any]) -> str:
+    """The table of :func:`coord_check`: movement per tensor and scale, drift, flags.
+
+    Example:
+        >>> r = {"scales": [1.0, 4.0], "names": ["w"], "threshold": 2.0, "modes": {
+        ...     "standard": {"movement": {"w": [0.01, 0.04]}, "drift": {"w": 4.0},
+        ...                  "flagged": ["w"]}}}
+        >>> print(format_check(r))
+        standard: ||Delta_W f||_RMS per step (x 1e-3)
+        tensor  1x        4x        drift
+        w       10        40        4.00 !
+        ! drifts by more than 2x over the scales: 1 of 1 tensor(s)
+    """
+    width = max([len("tensor"), *(len(n) for n in result["names"])])
+    lines: list[str] = []
+    for mode, data in result["modes"].items():
+        if lines:
+            lines.append("")
+        lines.append(f"{mode}: ||Delta_W f||_RMS per step (x 1e-3)")
+        lines.append(
+            f"{'tensor':<{width}}  "
+            + "".join(f"{scale_key(s) + 'x':<10}" for s in result["scales"])
+            + "drift"
+        )
+        for n in result["names"]:
+            cells = "".join(f"{v * 1e3:<10.3g}" for v in data["movement"][n])
+            flag = " !" if n in data["flagged"] else ""
+            lines.append(f"{n:<{width}}  {cells}{data['drift'][n]:.2f}{flag}")
+        lines.append(
+            f"! drifts by more than {result['threshold']:g}x over the scales: "
+            f"{len(data['flagged'])} of {len(result['names'])} tensor(s)"
+        )
+    return "\n".join(line.rstrip() for line in lines)
