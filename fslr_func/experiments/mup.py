@@ -45,16 +45,21 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Mapping
-from typing import Any, Literal
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from .task import Task
 
 __all__ = [
     "ADAM_LIKE",
     "SGD_LIKE",
     "apply_mup",
+    "mup_init_task",
     "mup_groups",
     "readouts",
     "width_mults",
@@ -226,3 +231,35 @@ def apply_mup(
             fan_in = mults[f"{name}.weight" if name else "weight"][1]
             module.bias.mul_(math.sqrt(fan_in or 1.0))
     return mup_groups(model, base, lr, weight_decay=weight_decay, optimizer=optimizer)
+
+
+def _build_mup_init(
+    build: Callable[[float, int], nn.Module], base_scale: float, scale: float, seed: int
+) -> nn.Module:
+    model = build(scale, seed)
+    with torch.random.fork_rng():  # the same initialisation as the plain build
+        base = build(base_scale, seed)
+    apply_mup(model, base, 1.0)
+    return model
+
+
+def mup_init_task(task: Task, base_scale: float) -> Task:
+    """``task`` with muP's initialisation and readout multiplier, for FLeRM (or any optimiser)
+    to set the rates: :func:`apply_mup` without its param groups, the base model being
+    ``task.build(base_scale, seed)``. At ``base_scale`` the models are ``task``'s own.
+
+    Example:
+        >>> import torch
+        >>> from fslr_func.experiments.task import Task
+        >>> def build(scale, seed):
+        ...     return torch.nn.Sequential(torch.nn.Linear(2, int(4 * scale)),
+        ...                                torch.nn.Linear(int(4 * scale), 3))
+        >>> task = mup_init_task(Task("mlp", build, None, None), 1.0)
+        >>> task.name, len(task.build(2.0, 0)[1]._forward_pre_hooks)
+        ('mlp+mup-init', 1)
+    """
+    return dataclasses.replace(
+        task,
+        name=f"{task.name}+mup-init",
+        build=functools.partial(_build_mup_init, task.build, base_scale),
+    )

@@ -1,0 +1,182 @@
+"""Issue 12's transfer targets, from one run: FLeRM against muP and standard training at width.
+
+Two width sweeps (1x to 8x), each with the three modes of ``fslr sweep`` (``standard``,
+``mup``, ``flerm``) and at least 3 seeds:
+
+- ``resmlp``: the demo's sweep (:data:`fslr_func.experiments.configs.DEMO`: ResMLP width 32 to
+  256 on MNIST-1D, 150 Adam steps of 128, 9 learning rates 2^-12..2^-4);
+- ``transformer``: the built-in PreNorm decoder (2 blocks), d_model 16 to 128 (16-dimensional
+  heads, 1 to 8 of them), on bytes of Python's documentation, 200 Adam steps of 16 sequences of
+  64 bytes, 7 learning rates 2^-11..2^-5, scales 1x and 8x only. CPU-sized: the issue's sweep
+  (d_model 32 to 256) costs about 4x as much per run; one 256-wide run took 107 s here.
+
+Per sweep and mode it prints the best learning rate's shift from 1x to 8x and the *transferred
+loss*: the 8x model's loss (mean and standard deviation over the seeds) trained at the base
+model's best learning rate, the thing a user who tunes the small model gets. Targets, per sweep:
+
+- FLeRM's shift is 0 octaves;
+- FLeRM's transferred loss is no worse than muP's within the seed spread:
+  ``mean_flerm - mean_mup <= max(sd_flerm, sd_mup)``; the seed-by-seed differences (same
+  initialisation and data for both) are printed beside it, as the stricter comparison.
+
+``--flerm-init mup`` also runs FLeRM on muP-initialised models
+(:func:`fslr_func.experiments.mup.mup_init_task`: muP's readout multiplier and initialisation,
+FLeRM's rates) and judges the targets on that variant (``flerm*``).
+
+Runs are cached under ``--out`` (``fslr_runs/transfer/<sweep>``), so a second call re-prints
+in seconds and an interrupted one resumes. Run:
+``python benchmarks/transfer.py --jobs 2`` (the ResMLP sweep is the demo's 324 runs, a few
+minutes on two cores; the transformer sweep takes longer, see docs/reproduction.md).
+``--flerm-mode periodic`` and the other ``SweepConfig`` overrides below measure FLeRM variants
+on the same sweeps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fslr_func.experiments.configs import DEMO, SweepConfig, octaves
+from fslr_func.experiments.mup import mup_init_task
+from fslr_func.experiments.run import RunSpec
+from fslr_func.experiments.sweep import SweepResult, builtin_task, format_table, run_sweep
+
+#: The two sweeps of the targets.
+SWEEPS: dict[str, SweepConfig] = {
+    "resmlp": DEMO,
+    "transformer": SweepConfig.for_model(
+        "transformer",
+        width=16,
+        scales=(1, 8),
+        lrs=octaves(-11, -5),
+        steps=200,
+        last=40,
+        seeds=3,
+    ),
+}
+
+
+def transferred(
+    config: SweepConfig, summary: Mapping[str, Any], runs: Mapping[str, Any], mode: str
+) -> dict[str, Any]:
+    """The largest model's losses at the base model's best learning rate, over the seeds.
+
+    Returns:
+        ``{"lr", "mean", "sd", "losses", "shift", "bound"}``; ``mean`` is ``inf`` if a seed
+        diverged or is missing, ``lr`` ``None`` if the base scale has no finite loss.
+    """
+    data = summary["modes"][mode]
+    lr = data["best_lr"][f"{config.base_scale:g}"]
+    losses: list[float] = []
+    if lr is not None:
+        for seed in range(config.seeds):
+            run = runs.get(RunSpec(mode, config.scales[-1], lr, seed).key) or {}
+            loss = run.get("loss")
+            losses.append(math.inf if loss is None else float(loss))
+    finite = bool(losses) and all(math.isfinite(v) for v in losses)
+    return {
+        "lr": lr,
+        "mean": statistics.fmean(losses) if finite else math.inf,
+        "sd": statistics.stdev(losses) if finite and len(losses) > 1 else 0.0,
+        "losses": losses,
+        "shift": data["shift_octaves"],
+        "bound": data.get("shift_bound"),
+    }
+
+
+def report(
+    name: str,
+    config: SweepConfig,
+    result: SweepResult,
+    candidate: SweepResult | None,
+) -> list[bool]:
+    """Print one sweep's table, the transferred losses and its two targets; return them met.
+
+    ``candidate``: the FLeRM runs of a variant (``--flerm-init mup``), judged instead of
+    plain FLeRM (which is still printed).
+    """
+    summary = result.summary
+    top = f"{config.scales[-1]:g}x"
+    print(f"\n== {name}: {summary['task']}, {config.seeds} seeds ==\n")
+    print(format_table(summary))
+    got = {m: transferred(config, summary, result.runs, m) for m in config.modes}
+    if candidate is not None:
+        print(f"\n{candidate.summary['task']}:\n{format_table(candidate.summary)}")
+        got["flerm*"] = transferred(config, candidate.summary, candidate.runs, "flerm")
+    print(f"\nmode      shift     loss at {top}, at the base model's best lr (mean +- sd; seeds)")
+    for mode, t in got.items():
+        shift = "-" if t["shift"] is None else f"{'>=' if t['bound'] else ''}{t['shift']:+g}"
+        seeds = ", ".join(f"{v:.3f}" for v in t["losses"])
+        print(f"{mode:<9} {shift:<9} {t['mean']:.3f} +- {t['sd']:.3f}  ({seeds})")
+    judged = "flerm*" if candidate is not None else "flerm"
+    met = []
+    if judged in got:
+        f = got[judged]
+        ok = f["shift"] == 0 and not f["bound"]
+        met.append(ok)
+        print(f"\ntarget: {judged} shift 0 octaves: {f['shift']:+g}: {'met' if ok else 'NOT met'}")
+    if judged in got and "mup" in got:
+        f, m = got[judged], got["mup"]
+        gap, spread = f["mean"] - m["mean"], max(f["sd"], m["sd"])
+        ok = gap <= spread
+        met.append(ok)
+        print(
+            f"target: {judged}'s {top} loss <= muP's within the seed spread: "
+            f"{f['mean']:.3f} vs {m['mean']:.3f} (gap {gap:+.3f}, spread {spread:.3f}): "
+            f"{'met' if ok else 'NOT met'}"
+        )
+        paired = [a - b for a, b in zip(f["losses"], m["losses"], strict=True)]
+        print(
+            f"paired by seed ({judged} - muP): "
+            + ", ".join(f"{d:+.3f}" for d in paired)
+            + f"; {judged} lower on {sum(d < 0 for d in paired)} of {len(paired)} seeds"
+        )
+    return met
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run (or re-read) the sweeps and print the targets; exit status 0 whether met or not."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", choices=sorted(SWEEPS), action="append", help="one sweep only")
+    p.add_argument("--out", type=Path, default=Path("fslr_runs/transfer"))
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument("--seeds", type=int, default=3, help="at least 3 for the targets")
+    p.add_argument("--flerm-mode", choices=("static", "periodic"), default="static")
+    p.add_argument("--steps", type=int, default=None, help="override the steps per run")
+    p.add_argument(
+        "--flerm-init",
+        choices=("standard", "mup"),
+        default="standard",
+        help="mup: also run FLeRM on muP-initialised models (readout multiplier and init) and "
+        "judge the targets on it",
+    )
+    args = p.parse_args(argv)
+    met: list[bool] = []
+    for name in args.only or sorted(SWEEPS):
+        changes: dict[str, Any] = {"seeds": args.seeds, "flerm_mode": args.flerm_mode}
+        if args.steps is not None:
+            changes.update(steps=args.steps, last=max(1, args.steps // 5))
+        config = SWEEPS[name].replace(**changes)
+        result = run_sweep(config, args.out / name, jobs=args.jobs, quiet=True)
+        candidate = None
+        if args.flerm_init == "mup":
+            task = mup_init_task(builtin_task(config), config.base_scale)
+            candidate = run_sweep(
+                config.replace(modes=("flerm",)),
+                args.out / f"{name}_mupinit",
+                task=task,
+                jobs=args.jobs,
+                quiet=True,
+            )
+        met += report(name, config, result, candidate)
+    print(f"\n{sum(met)} of {len(met)} targets met")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
