@@ -136,6 +136,17 @@ def _modes(text: str) -> tuple[str, ...]:
     return modes
 
 
+def _check_modes(text: str) -> tuple[str, ...]:
+    from .experiments.check import CHECK_MODES
+
+    modes = tuple(m.strip() for m in text.split(",") if m.strip())
+    if not modes or any(m not in CHECK_MODES for m in modes):
+        raise argparse.ArgumentTypeError(
+            f"choose from {', '.join(CHECK_MODES)} (comma-separated), got {text!r}"
+        )
+    return modes
+
+
 # config field -> (flag, argparse kwargs)
 _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "model": ("--model", {"choices": MODELS, "help": "model family"}),
@@ -303,6 +314,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
     )
     check.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
     check.add_argument(
+        "--modes",
+        type=_check_modes,
+        default=("standard", "flerm"),
+        help="standard, mup and/or flerm, comma-separated (default: standard,flerm)",
+    )
+    check.add_argument(
+        "--every", type=_positive_int, default=1, help="probe every EVERY steps (default: 1)"
+    )
+    check.add_argument(
         "--threshold",
         type=_positive_float,
         default=2.0,
@@ -444,8 +464,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.lr,
         steps=args.steps,
         seed=args.seed,
-        every=1,
+        every=args.every,
         optimizer=args.optimizer,
+        modes=args.modes,
         threshold=args.threshold,
     )
     result["task"] = config.task_name

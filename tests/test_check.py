@@ -13,13 +13,17 @@ from tests.test_sweep import tiny_task
 
 
 def test_custom_task_standard_drifts_flerm_holds() -> None:
-    result = coord_check(tiny_task(), (1, 8), 0.01, steps=5, warmup_samples=8)
+    modes = ("standard", "mup", "flerm")
+    result = coord_check(tiny_task(), (1, 8), 0.01, steps=5, warmup_samples=8, modes=modes)
     assert result["names"][:2] == ["input.weight", "input.bias"]
     std, flerm = result["modes"]["standard"], result["modes"]["flerm"]
     # Adam moves a hidden matrix's function-space contribution ~ with its fan-in
     assert "blocks.0.weight" in std["flagged"] and std["drift"]["blocks.0.weight"] > 4
     assert flerm["drift"]["blocks.0.weight"] < 2 and "blocks.0.weight" not in flerm["flagged"]
     assert all(len(v) == 2 for v in flerm["movement"].values())
+    mup = result["modes"]["mup"]  # muP: the same model at 1x, the hidden drift mostly removed
+    assert mup["movement"]["blocks.0.weight"][0] == std["movement"]["blocks.0.weight"][0]
+    assert mup["drift"]["blocks.0.weight"] < std["drift"]["blocks.0.weight"] / 2
     table = format_check(result)
     assert table.startswith("standard:") and "flerm:" in table and "blocks.0.weight" in table
     json.dumps(result, allow_nan=False)
@@ -29,7 +33,7 @@ def test_rejects_bad_arguments() -> None:
     with pytest.raises(ValueError, match="steps"):
         coord_check(tiny_task(), (1, 2), 0.01, steps=1)
     with pytest.raises(ValueError, match="modes"):
-        coord_check(tiny_task(), (1, 2), 0.01, modes=("mup",))
+        coord_check(tiny_task(), (1, 2), 0.01, modes=("sideways",))
 
 
 def test_cli_check_builtin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -14,8 +14,9 @@ function-space learning rate), averaged over the probes of a short run at one le
 (each scale: the same seed, ``steps`` steps, a probe every ``every`` steps after an EMA warm-up,
 steps 1 and later). Under standard training the movements of a badly parametrised model drift with
 scale; under FLeRM (static, its set point at step 0 from the base scale's record of the same
-run) they should stay where the base model's were. A tensor whose movement changes by more than
-``threshold`` (default 2) between its smallest and largest value over the scales is flagged.
+run) they should stay where the base model's were; ``"mup"`` shows where muP puts them. A
+tensor whose movement changes by more than ``threshold`` (default 2) between its smallest and
+largest value over the scales is flagged.
 
 Only tensors present at every scale are compared (along depth, the extra blocks have no
 counterpart; under FLeRM's ``share_blocks`` policy each block's share of its base block's
@@ -53,17 +54,19 @@ from ..record import FSLRRecord
 from ..recorder import Recorder
 from ..wrap import with_fslr
 from .configs import scale_key
+from .mup import apply_mup
 from .task import Task
 from .train import make_optimizer, train
 
 __all__ = ["CHECK_MODES", "coord_check", "format_check"]
 
-#: Modes :func:`coord_check` compares.
-CHECK_MODES = ("standard", "flerm")
+#: Modes :func:`coord_check` can compare (``"mup"``: :func:`~fslr_func.experiments.mup.apply_mup`).
+CHECK_MODES = ("standard", "mup", "flerm")
 
 
 def _run(
     task: Task,
+    base_scale: float,
     scale: float,
     lr: float,
     *,
@@ -73,24 +76,31 @@ def _run(
     samples: int,
     warmup_samples: int,
     optimizer: str,
+    mode: str,
     base: FSLRRecord | None,
     policy: Any,
 ) -> FSLRRecord:
     """One short run at ``scale`` and its record (under FLeRM from ``base``, set at step 0)."""
     torch.manual_seed(seed)
     model = task.build(scale, seed)
+    params: Any = model.parameters()
+    if mode == "mup":
+        with torch.random.fork_rng():
+            shapes = task.build(base_scale, seed)
+        params = apply_mup(model, shapes, lr, optimizer=optimizer)
     fm = with_fslr(model, samples=samples, seed=seed, output_fn=task.output_fn, strategy="vmap")
-    opt = make_optimizer(optimizer, fm.parameters(), lr)
+    opt = make_optimizer(optimizer, params, lr)
     recorder = Recorder(  # from step 1 under FLeRM, whose set point measures step 0
         fm,
         task.probe_batches(seed),
         optimizer=opt,
         warmup_samples=warmup_samples,
         every=every,
-        start_step=0 if base is None else 1,
+        start_step=1 if mode == "flerm" else 0,
     )
     flerm = None
-    if base is not None:
+    if mode == "flerm":
+        assert base is not None
         flerm = FLeRM(
             fm,
             opt,
@@ -134,7 +144,7 @@ def coord_check(
     samples: int = 8,
     warmup_samples: int = 40,
     optimizer: str = "adam",
-    modes: Sequence[str] = CHECK_MODES,
+    modes: Sequence[str] = ("standard", "flerm"),
     threshold: float = 2.0,
 ) -> dict[str, Any]:
     r"""Each tensor's function-space movement per step against scale, standard and FLeRM.
@@ -150,7 +160,8 @@ def coord_check(
         samples: omega samples per probe.
         warmup_samples: omega samples of the EMA warm-ups.
         optimizer: a name of :data:`~fslr_func.experiments.train.OPTIMIZERS`.
-        modes: a subset of :data:`CHECK_MODES`.
+        modes: a subset of :data:`CHECK_MODES`; ``"mup"`` takes the smallest scale as muP's
+            base shapes.
         threshold: flag tensors whose movement's max/min ratio over the scales exceeds it.
 
     Returns:
@@ -176,14 +187,14 @@ def coord_check(
         "optimizer": optimizer,
         "policy": task.policy or "identity",
     }
-    base = _run(task, ordered[0], lr, base=None, **kw)
+    base = _run(task, ordered[0], ordered[0], lr, mode="standard", base=None, **kw)
     movements: dict[str, list[dict[str, float]]] = {}
     for mode in modes:
         movements[mode] = [
             _movement(
                 base
                 if mode == "standard" and s == ordered[0]
-                else _run(task, s, lr, base=base if mode == "flerm" else None, **kw)
+                else _run(task, ordered[0], s, lr, mode=mode, base=base, **kw)
             )
             for s in ordered
         ]

@@ -43,9 +43,9 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
-import dataclasses
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -59,8 +59,8 @@ __all__ = [
     "ADAM_LIKE",
     "SGD_LIKE",
     "apply_mup",
-    "mup_init_task",
     "mup_groups",
+    "mup_init_task",
     "readouts",
     "width_mults",
 ]
