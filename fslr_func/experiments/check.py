@@ -54,7 +54,7 @@ from ..record import FSLRRecord
 from ..recorder import Recorder
 from ..wrap import with_fslr
 from .configs import scale_key
-from .mup import apply_mup
+from .mup import apply_mup, base_shapes
 from .task import Task
 from .train import make_optimizer, train
 
@@ -85,9 +85,9 @@ def _run(
     model = task.build(scale, seed)
     params: Any = model.parameters()
     if mode == "mup":
-        with torch.random.fork_rng():
-            shapes = task.build(base_scale, seed)
-        params = apply_mup(model, shapes, lr, optimizer=optimizer)
+        params = apply_mup(
+            model, base_shapes(task.build, base_scale, seed), lr, optimizer=optimizer
+        )
     fm = with_fslr(model, samples=samples, seed=seed, output_fn=task.output_fn, strategy="vmap")
     opt = make_optimizer(optimizer, params, lr)
     recorder = Recorder(  # from step 1 under FLeRM, whose set point measures step 0
@@ -125,7 +125,7 @@ def _run(
 def _movement(record: FSLRRecord) -> dict[str, float]:
     """Per tensor, the geometric mean of ``lr_W * FSLR_W`` over the record's rows from step 1."""
     logs: dict[str, list[float]] = {}
-    for step in record.steps[record.steps[0] == 0 :]:
+    for step in (s for s in record.steps if s >= 1):
         rates = record.lrs_at(step)
         for name, f in record.at(step).items():
             if name in rates and f > 0:

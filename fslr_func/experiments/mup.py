@@ -59,6 +59,7 @@ __all__ = [
     "ADAM_LIKE",
     "SGD_LIKE",
     "apply_mup",
+    "base_shapes",
     "mup_groups",
     "mup_init_task",
     "readouts",
@@ -233,13 +234,27 @@ def apply_mup(
     return mup_groups(model, base, lr, weight_decay=weight_decay, optimizer=optimizer)
 
 
+def base_shapes(
+    build: Callable[[float, int], nn.Module], base_scale: float, seed: int
+) -> dict[str, tuple[int, ...]]:
+    """The parameter shapes of ``build(base_scale, seed)``, muP's base shapes, built with
+    torch's random state restored afterwards (a model built next is initialised as without it).
+
+    Example:
+        >>> from torch import nn
+        >>> base_shapes(lambda scale, seed: nn.Linear(int(2 * scale), 3), 1.0, 0)
+        {'weight': (3, 2), 'bias': (3,)}
+    """
+    with torch.random.fork_rng():
+        return {n: tuple(p.shape) for n, p in build(base_scale, seed).named_parameters()}
+
+
 def _build_mup_init(
     build: Callable[[float, int], nn.Module], base_scale: float, scale: float, seed: int
 ) -> nn.Module:
+    shapes = base_shapes(build, base_scale, seed)
     model = build(scale, seed)
-    with torch.random.fork_rng():  # the same initialisation as the plain build
-        base = build(base_scale, seed)
-    apply_mup(model, base, 1.0)
+    apply_mup(model, shapes, 1.0)
     return model
 
 

@@ -28,7 +28,7 @@ from ..record import FSLRRecord
 from ..recorder import Recorder
 from ..wrap import with_fslr
 from .configs import MODES, SweepConfig, lr_key, scale_key
-from .mup import apply_mup
+from .mup import apply_mup, base_shapes
 from .task import Task
 from .train import AroundStep, OnStep, last_mean, make_optimizer, make_schedule, train
 
@@ -165,8 +165,7 @@ def execute(
     params: Any = model.parameters()
     mup_lrs: dict[str, float] = {}
     if spec.mode == "mup":
-        with torch.random.fork_rng():  # the same initialisation as the standard run
-            shapes = task.build(config.base_scale, spec.seed)
+        shapes = base_shapes(task.build, config.base_scale, spec.seed)
         params = apply_mup(
             model, shapes, spec.lr, weight_decay=config.weight_decay, optimizer=config.optimizer
         )
