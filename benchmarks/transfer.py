@@ -46,7 +46,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fslr_func.experiments.configs import DEMO, SweepConfig, octaves
+from fslr_func.experiments.configs import DEMO, SweepConfig, octaves, scale_key
 from fslr_func.experiments.mup import mup_init_task
 from fslr_func.experiments.run import RunSpec
 from fslr_func.experiments.sweep import SweepResult, builtin_task, format_table, run_sweep
@@ -78,7 +78,7 @@ def transferred(
         edge (the shift is then a lower bound on its size).
     """
     data = summary["modes"][mode]
-    top = f"{config.scales[-1]:g}"
+    top = scale_key(config.scales[-1])
     losses = []
     for seed in range(config.seeds):
         loss = (runs.get(RunSpec(mode, config.scales[-1], lr, seed).key) or {}).get("loss")
@@ -134,7 +134,7 @@ def report(
     ``candidate``: the FLeRM runs of a variant (``--flerm-init mup``), judged as well.
     """
     summary = result.summary
-    base, top = f"{config.base_scale:g}", f"{config.scales[-1]:g}x"
+    base, top = scale_key(config.base_scale), f"{scale_key(config.scales[-1])}x"
     print(f"\n== {name}: {summary['task']}, {config.seeds} seeds ==\n")
     print(format_table(summary))
     sources = {m: (summary, result.runs, m) for m in config.modes}
