@@ -340,10 +340,14 @@ class FLeRM:
                 yield
             else:
                 saved = _copy_state(opt)
-                with self.fm.measure(opt, self._feed.take(n)) as m:
+                with self.fm.measure(opt, self._feed.take(n), step=self.t) as m:
                     yield
                 opt.param_groups = own  # the set point reads the schedule from your groups
-                point = self._set_point(self.t, m.fslr)
+                # One synchronisation; tensors whose every probe was left out are held.
+                reading = m.read()
+                point = self._set_point(
+                    self.t, {**reading.values, **dict.fromkeys(reading.left_out, math.nan)}
+                )
                 with torch.no_grad():
                     for name, w in m.before.items():
                         self._params[name].copy_(w)
@@ -356,7 +360,7 @@ class FLeRM:
             opt.param_groups = own
         self.t += 1
 
-    def _set_point(self, step: int, fslr: Mapping[str, Tensor]) -> SetPoint:
+    def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         targets = self._targets(step)
         measured = {n: float(fslr[n]) if n in fslr else 0.0 for n in self.names}
         zero, nonfinite = [], []
@@ -379,8 +383,9 @@ class FLeRM:
             )
         if nonfinite:
             warnings.warn(
-                f"FLeRM step {step}: non-finite FSLR estimate or rate for {nonfinite[:10]}; "
-                "they keep their previous learning rate",
+                f"FLeRM step {step}: no finite FSLR estimate or rate for {nonfinite[:10]} "
+                "(every probe of this set point was left out as not finite, or the estimate "
+                "overflowed); they keep their previous learning rate",
                 RuntimeWarning,
                 stacklevel=4,
             )

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils._pytree import tree_flatten
 
 from .estimator import ReadoutRole
 
@@ -155,14 +156,18 @@ def eager_submodules() -> Iterator[None]:
 
 
 def check_delta(
-    delta: Mapping[str, Tensor], tensors: ModuleTensors, *, what: str = "delta"
+    delta: Mapping[str, Tensor],
+    tensors: ModuleTensors,
+    *,
+    what: str = "delta",
+    finite: bool = True,
 ) -> None:
-    """Check names, shapes and finiteness of an update dict against a module's tensors.
+    """Check names, shapes and (with ``finite``) finiteness of an update dict.
 
     Raises:
         ValueError: a model without trainable parameters; empty ``delta``; unknown or
             misspelled names (with close matches); names of frozen parameters; shape
-            mismatches; NaN or Inf entries.
+            mismatches; zero-size tensors; NaN or Inf entries.
     """
     if not isinstance(delta, Mapping):
         raise TypeError(
@@ -206,12 +211,46 @@ def check_delta(
     ]
     if bad_shape:
         raise ValueError(f"{what} shapes differ from the parameters':\n" + "\n".join(bad_shape))
+    empty = [n for n, d in delta.items() if d.numel() == 0]
+    if empty:
+        raise ValueError(
+            f"{what} holds zero-size tensors {empty}: an empty tensor has no function-space "
+            f"learning rate; leave it out (or freeze it with requires_grad_(False))"
+        )
+    if not finite:
+        return
     non_finite = [n for n, d in delta.items() if not bool(torch.isfinite(d).all())]
     if non_finite:
         raise ValueError(
             f"{what} has NaN or Inf entries in {non_finite}: the update is not finite, so its "
             f"function-space learning rate is undefined (check the loss and learning rates)"
         )
+
+
+def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
+    """Check the probe batch's tensors: none empty, and (with ``finite``) no NaN or Inf.
+
+    Raises:
+        ValueError: an input tensor with no elements (an empty batch), or a floating input
+            with NaN or Inf entries, named by its position or keyword.
+    """
+    args, kwargs = split_inputs(inputs)
+    named = [(f"positional input {i}", a) for i, a in enumerate(args)]
+    named += [(f"input {k}=", v) for k, v in kwargs.items()]
+    for where, value in named:
+        for leaf in tree_flatten(value)[0]:
+            if not isinstance(leaf, Tensor):
+                continue
+            if leaf.numel() == 0 and leaf.dim() > 0:
+                raise ValueError(
+                    f"the probe batch is empty: {where} has shape {tuple(leaf.shape)}; pass a "
+                    f"batch with at least one example"
+                )
+            if finite and leaf.is_floating_point() and not bool(torch.isfinite(leaf).all()):
+                raise ValueError(
+                    f"the probe batch has NaN or Inf entries in {where}: the FSLR is "
+                    f"undefined there; clean or skip the batch"
+                )
 
 
 def check_single_process(model: nn.Module) -> None:
@@ -243,12 +282,17 @@ def check_single_process(model: nn.Module) -> None:
 
 
 def evaluation_point(
-    model: nn.Module, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
+    model: nn.Module,
+    delta: Mapping[str, Tensor],
+    params: Mapping[str, Tensor] | None,
+    *,
+    finite: bool = True,
 ) -> tuple[ModuleTensors, dict[str, Tensor]]:
     """The module's tensors and the point to differentiate at, names checked.
 
     The point is every trainable parameter, with ``params`` (e.g. the weights before an
-    optimiser step) substituted where given.
+    optimiser step) substituted where given. ``finite=False`` skips the check for NaN and
+    Inf in ``delta`` and ``params``, which reads them on the host (a synchronisation).
 
     Raises:
         ValueError: a name in ``delta`` or ``params`` that is not a trainable parameter, or a
@@ -257,10 +301,10 @@ def evaluation_point(
     """
     check_single_process(model)
     tensors = ModuleTensors.of(model)
-    check_delta(delta, tensors)
+    check_delta(delta, tensors, finite=finite)
     point = dict(tensors.trainable)
     if params is not None:
-        check_delta(params, tensors, what="params")
+        check_delta(params, tensors, what="params", finite=finite)
         point.update({n: p.detach() for n, p in params.items()})
     return tensors, point
 

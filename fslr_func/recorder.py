@@ -183,7 +183,7 @@ class Recorder:
             if meta["base_lr"] is None:
                 meta["base_lr"] = described["base_lr"]
         sched = schedule_ratio(optimizer, self.scheduler, float(meta["base_lr"]))
-        with self.fm.measure(optimizer, self._feed.take(n)) as m:
+        with self.fm.measure(optimizer, self._feed.take(n), step=self.t) as m:
             yield m
         self._append(self.t, m, sched)
         self.t += 1
@@ -204,7 +204,7 @@ class Recorder:
         return given
 
     def _append(self, step: int, m: Measurement, sched: float) -> None:
-        fslr = {n: float(v) for n, v in m.fslr.items() if n in m.lrs}
+        fslr = {n: v for n, v in m.read().values.items() if n in m.lrs}  # one sync
         bad = [n for n, v in fslr.items() if not math.isfinite(v)]
         if bad:
             warnings.warn(
