@@ -269,8 +269,9 @@ def _one_process_group(port: int) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_one_process_functions_refuse_ddp_and_fsdp2_models() -> None:
     """A DDP module probed in one process would measure this rank's shard (two ranks differed
-    30x); FSDP2 parameters are DTensors the probe cannot differentiate: both raise, never a
-    silently wrong or zero FSLR."""
+    30x); an FSDP2 module's forward hooks would put FSDP's parameters in place of the probe's
+    (every FSLR was 0): both raise, pointing to fslr_func.distributed, never a silently wrong or
+    zero FSLR."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -285,9 +286,12 @@ def test_one_process_functions_refuse_ddp_and_fsdp2_models() -> None:
         sharded = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
         fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
         delta = {n: torch.ones(p.shape) for n, p in sharded.named_parameters()}
-        with pytest.raises(NotImplementedError, match="FSDP2"):
-            ff.estimate(sharded, x, delta)
-        with pytest.raises(NotImplementedError, match="FSDP2"):
-            ff.with_fslr(sharded)
+        for fn in (ff.estimate, ff.exact):
+            with pytest.raises(ValueError, match=r"FSDP2.*fslr_func\.distributed"):
+                fn(sharded, x, delta)
+        with pytest.raises(ValueError, match="FSDP2"):
+            FSLRModule(sharded)
+        with pytest.raises(ValueError, match="distributed=False"):
+            ff.with_fslr(sharded, distributed=False)
     finally:
         dist.destroy_process_group()
