@@ -33,16 +33,20 @@ def _mlp(width: int = 7, seed: int = 0) -> nn.Sequential:
     return nn.Sequential(nn.Linear(5, width), nn.Tanh(), nn.Linear(width, 3))
 
 
-def _fully_shard(model: nn.Sequential) -> nn.Module:
+def _fully_shard_modules(model: nn.Module, modules: list[nn.Module]) -> nn.Module:
+    """``fully_shard`` each of ``modules`` in turn (the root last) over all ranks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (WORLD,))
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    for module in modules:
+        fully_shard(module, mesh=mesh)
     return model
+
+
+def _fully_shard(model: nn.Sequential) -> nn.Module:
+    layers = [layer for layer in model if isinstance(layer, nn.Linear)]
+    return _fully_shard_modules(model, [*layers, model])
 
 
 def _shard(x: Tensor, rank: int | None) -> Tensor:
@@ -103,33 +107,47 @@ def _check_with_fslr(rank: int) -> None:
     torch.testing.assert_close(fm(_shard(x, rank)), _shard(one(x), rank))
 
 
-def _check_functional(rank: int) -> None:
-    """``fd.estimate`` takes an FSDP2 model, its DTensor update and DTensor evaluation point."""
+class _Tied(nn.Module):
+    """A readout tied to the embedding, and a frozen bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mid = nn.Embedding(11, 6), nn.Linear(6, 6)
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.mid.bias.requires_grad_(False)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+def _sharded_like(model: nn.Module, tensors: dict[str, Tensor]) -> dict[str, Tensor]:
+    """Full tensors as DTensors sharded like ``model``'s parameters of the same names."""
     from torch.distributed.tensor import distribute_tensor
 
+    params = dict(model.named_parameters())
+    return {
+        n: distribute_tensor(v, params[n].device_mesh, params[n].placements)
+        for n, v in tensors.items()
+    }
+
+
+def _check_functional(rank: int) -> None:
+    """``fd.estimate`` takes an FSDP2 model, its DTensor update and DTensor evaluation point;
+    a probe that raises leaves the model sharded, with FSDP's hooks in place."""
     model = _fully_shard(_mlp())
     plain = _mlp()
     g = torch.Generator().manual_seed(4)
     delta = {n: 1e-2 * torch.randn(p.shape, generator=g) for n, p in plain.named_parameters()}
-    point = {
-        n: p.detach() + d
-        for (n, p), d in zip(plain.named_parameters(), delta.values(), strict=True)
-    }
-    params = dict(model.named_parameters())
-
-    def shard(t: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {
-            n: distribute_tensor(v, params[n].device_mesh, params[n].placements)
-            for n, v in t.items()
-        }
-
+    point = {n: p.detach() + delta[n] for n, p in plain.named_parameters()}
     x = next(_stream(9))
     for at in (None, point):
         got = fd.estimate(
             model,
             _shard(x, rank),
-            shard(delta),
-            params=None if at is None else shard(at),
+            _sharded_like(model, delta),
+            params=None if at is None else _sharded_like(model, at),
             samples=5,
             generator=torch.Generator().manual_seed(3),
         )
@@ -138,6 +156,31 @@ def _check_functional(rank: int) -> None:
             plain, x, delta, params=at, samples=5, generator=torch.Generator().manual_seed(3)
         )
         assert _max_rel(got, want) < RTOL
+
+    with pytest.raises(ValueError, match="not trainable parameters"):
+        fd.estimate(model, _shard(x, rank), {"0.wieght": torch.zeros(7, 5)}, samples=2)
+    assert all(is_dtensor(p) for p in model.parameters())
+    torch.testing.assert_close(model(_shard(x, rank)), _shard(plain(x), rank))
+
+    # Tied parameters stay tied (one FSLR, as in one process); frozen ones stay constants.
+    tied, plain_tied = _Tied(), _Tied()
+    _fully_shard_modules(tied, [tied.mid, tied])
+    trainable = [(n, p) for n, p in plain_tied.named_parameters() if p.requires_grad]
+    delta = {n: 1e-2 * torch.randn(p.shape, generator=g) for n, p in trainable}
+    ids = torch.randint(0, 11, (sum(SHARDS), 3), generator=g)
+    got = fd.estimate(
+        tied,
+        _shard(ids, rank),
+        _sharded_like(tied, delta),
+        samples=5,
+        generator=torch.Generator().manual_seed(3),
+    )
+    want = ff.estimate(
+        plain_tied, ids, delta, samples=5, generator=torch.Generator().manual_seed(3)
+    )
+    assert sorted(want) == ["emb.weight", "mid.weight"]
+    assert _max_rel(got, want) < RTOL
+    assert tied.head.weight is tied.emb.weight and is_dtensor(tied.head.weight)
 
 
 def _record(rank: int | None) -> ff.FSLRRecord:
