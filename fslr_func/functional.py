@@ -253,17 +253,31 @@ def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
                 )
 
 
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard, for one).
+
+    Nothing is imported: no DTensor can exist before ``torch.distributed.tensor`` is.
+
+    Example:
+        >>> is_dtensor(torch.zeros(2))
+        False
+    """
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 def check_single_process(model: nn.Module) -> None:
     """Refuse models whose one-process probe would silently measure the wrong thing.
 
     A ``DistributedDataParallel`` module holds only this rank's shard of each batch, so a
     one-process probe of it measures the shard, not the batch; an FSDP2 module
-    (``fully_shard``) holds DTensor shards of its parameters, which ``functional_call`` cannot
-    differentiate as a whole.
+    (``fully_shard``) holds DTensor shards of its parameters, under forward hooks that put
+    FSDP's own unsharded parameters in place of the ones the probe substitutes (every
+    gradient, and so every FSLR, would be 0). Both are probed by :mod:`fslr_func.distributed`.
 
     Raises:
-        ValueError: ``model`` is a ``DistributedDataParallel`` module.
-        NotImplementedError: ``model`` has DTensor (FSDP2-sharded) parameters.
+        ValueError: ``model`` is a ``DistributedDataParallel`` module or has DTensor
+            (FSDP2-sharded) parameters.
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(
@@ -272,12 +286,12 @@ def check_single_process(model: nn.Module) -> None:
             "every rank (the global batch's FSLRs), ff.with_fslr(ddp_model) in training, or "
             "pass model.module to measure this rank's shard on purpose"
         )
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()):
-        raise NotImplementedError(
-            "the model's parameters are DTensors (sharded with FSDP2 fully_shard): probing "
-            "sharded parameters is not supported yet. Probe an unsharded copy of the model, "
-            "or record the base run without FSDP"
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(
+            "the model's parameters are DTensors (sharded with FSDP2 fully_shard): a "
+            "one-process probe cannot see the full parameters. Use "
+            "fslr_func.distributed.estimate/probe on every rank, or ff.with_fslr(model) in "
+            "training (every rank gets the global batch's FSLRs)"
         )
 
 
@@ -296,8 +310,8 @@ def evaluation_point(
 
     Raises:
         ValueError: a name in ``delta`` or ``params`` that is not a trainable parameter, or a
-            shape that differs from the parameter's; a DDP module (:func:`check_single_process`).
-        NotImplementedError: FSDP2-sharded parameters.
+            shape that differs from the parameter's; a DDP or FSDP2 module
+            (:func:`check_single_process`).
     """
     check_single_process(model)
     tensors = ModuleTensors.of(model)

@@ -172,7 +172,8 @@ class FSLRModule(nn.Module):
         check_estimator(estimator)
         self.options = ProbeOptions(**options)
         self.ema = EMA(beta)
-        check_single_process(model)
+        if reduction is None:  # a probe with a reduction spans processes (distributed.py)
+            check_single_process(model)
         if self.options.readout not in (None, "auto"):
             readout_module(model, self.options.readout)
         if not any(p.requires_grad for p in model.parameters()):
