@@ -24,7 +24,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -64,12 +64,16 @@ class Measurement:
         lrs: the learning rate of each tensor's param group at the step.
         delta: the unit-learning-rate updates, ``(after - before) / lr``.
         fslr: the wrapper's FSLR estimates after folding this step's probes in.
+        moved: the tensors the step changed; only these are probed and folded into the EMAs
+            (a tensor without a gradient, or a step skipped by a ``GradScaler``, keeps its
+            estimate); empty: nothing moved and nothing was probed.
     """
 
     before: dict[str, Tensor]
     lrs: dict[str, float]
     delta: dict[str, Tensor] = field(default_factory=dict)
     fslr: dict[str, Tensor] = field(default_factory=dict)
+    moved: tuple[str, ...] = ()
 
 
 def param_lrs(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -195,12 +199,19 @@ class FSLRModule(nn.Module):
 
     @contextlib.contextmanager
     def measure(
-        self, optimizer: torch.optim.Optimizer, inputs: Inputs | list[Inputs]
+        self,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
+        inputs: Inputs | list[Inputs],
     ) -> Iterator[Measurement]:
         """Measure the optimiser step taken inside the ``with`` block.
 
+        A tensor the step left unchanged (no gradient, a step skipped by a ``GradScaler``) is
+        not probed and its EMA is untouched; a tensor that moved but does not move the
+        function (LoRA ``A`` while ``B = 0``) is probed and reads 0.
+
         Args:
-            optimizer: any ``torch.optim`` optimiser over (some of) the module's parameters.
+            optimizer: any ``torch.optim`` optimiser over (some of) the module's parameters,
+                or several (Muon on the matrices, AdamW on the rest) stepped in the block.
             inputs: the probe batch (separate from the training batch), or a list of them.
 
         Yields:
@@ -215,11 +226,19 @@ class FSLRModule(nn.Module):
                 "fm.measure blocks cannot be nested: the outer block already measures this "
                 "optimiser step (with Recorder or FLeRM, do not also call fm.measure)"
             )
-        lrs = {n: lr for n, lr in param_lrs(self.module, optimizer).items() if lr != 0.0}
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        held = {n: lr for o in optimizers for n, lr in param_lrs(self.module, o).items()}
+        if not held:
+            raise ValueError(
+                "the optimiser updates none of the module's trainable parameters: build it "
+                "from fm.parameters()"
+            )
+        lrs = {n: lr for n, lr in held.items() if lr != 0.0}
         if not lrs:
             raise ValueError(
-                "the optimiser updates none of the module's trainable parameters with a "
-                "non-zero learning rate: build it from fm.parameters()"
+                "every learning rate is 0 at this step (a warm-up from 0?): there is no update "
+                "to measure; measure a step with a non-zero rate (Recorder and FLeRM wait for "
+                "one by themselves)"
             )
         current = dict(self.module.named_parameters())
         before = {n: current[n].detach().clone() for n in lrs}
@@ -230,7 +249,9 @@ class FSLRModule(nn.Module):
         finally:
             self._measuring = False
         m.delta = {n: (current[n].detach() - before[n]) / lrs[n] for n in lrs}
-        m.fslr = self.observe(inputs, m.delta, params=before)
+        m.moved = tuple(n for n in lrs if not torch.equal(current[n].detach(), before[n]))
+        moved = {n: m.delta[n] for n in m.moved}
+        m.fslr = self.observe(inputs, moved, params=before) if moved else self.fslr()
 
     def log_sq(self) -> dict[str, Tensor]:
         """Log of the current estimates of ``||Delta_W f||^2_RMS`` (float64, ``-inf``: zero)."""
