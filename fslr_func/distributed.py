@@ -394,6 +394,7 @@ class DistributedFSLRModule(FSLRModule):
         params: Mapping[str, Tensor] | None = None,
         step: int | None = None,
         strict: bool = False,
+        changed: Mapping[str, Tensor] | None = None,
     ) -> None:
         """:meth:`FSLRModule.fold`, on parameters and update all-gathered under FSDP2.
 
@@ -401,7 +402,7 @@ class DistributedFSLRModule(FSLRModule):
         the all-reduces, are collectives); ``measure`` and ``observe`` go through it.
         """
         with gathered(self.module, delta, params) as (full_delta, rest):
-            super().fold(inputs, full_delta, params=rest, step=step, strict=strict)
+            super().fold(inputs, full_delta, params=rest, step=step, strict=strict, changed=changed)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The data-parallel wrapper's forward (or the model's if it was not wrapped)."""

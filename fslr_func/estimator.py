@@ -261,13 +261,21 @@ class EMA:
         if not 0.0 <= self.beta < 1.0:
             raise ValueError(f"beta must be in [0, 1), got {self.beta}")
 
-    def update(self, log_x: Mapping[str, Tensor], *, step: int = -1) -> None:
+    def update(
+        self,
+        log_x: Mapping[str, Tensor],
+        *,
+        step: int = -1,
+        include: Mapping[str, Tensor] | None = None,
+    ) -> None:
         """Fold one probe's log expectations (one entry per tensor) into the averages.
 
         Args:
             log_x: tensor name -> log expectations; an entry holding a NaN or ``+inf`` is
                 dropped (see the class docstring).
             step: a label kept in :attr:`last_dropped` when an entry is dropped.
+            include: tensor name -> 0-d bool; an entry marked ``False`` is skipped: neither
+                folded in nor counted as dropped (a tensor the step did not change).
         """
         log_beta = math.log(self.beta) if self.beta > 0 else -math.inf
         log_1mb = math.log1p(-self.beta)
@@ -281,12 +289,15 @@ class EMA:
                 self.last_dropped[name] = zero - 1
             previous = previous.to(x.device)
             ok = valid_log(x)
+            wanted = None if include is None else include.get(name)
+            take = ok if wanted is None else ok & wanted
+            bad = ~ok if wanted is None else ~ok & wanted
             self.log_m[name] = torch.where(
-                ok, torch.logaddexp(previous + log_beta, x + log_1mb), previous
+                take, torch.logaddexp(previous + log_beta, x + log_1mb), previous
             )
-            self.counts[name] = self.counts[name].to(x.device) + ok
-            self.dropped[name] = self.dropped[name].to(x.device) + ~ok
-            self.last_dropped[name] = torch.where(ok, self.last_dropped[name].to(x.device), step)
+            self.counts[name] = self.counts[name].to(x.device) + take
+            self.dropped[name] = self.dropped[name].to(x.device) + bad
+            self.last_dropped[name] = torch.where(bad, step, self.last_dropped[name].to(x.device))
 
     def value(self) -> dict[str, Tensor]:
         """Bias-corrected log expectations per tensor (NaN where nothing valid was folded in)."""

@@ -33,6 +33,8 @@ from __future__ import annotations
 
 import bisect
 import copy
+import csv
+import io
 import json
 import math
 import numbers
@@ -454,6 +456,82 @@ class FSLRRecord:
                 "been cut short or copied incompletely: re-record it or restore it from a backup"
             ) from err
         return cls.from_dict(data, source=repr(path))
+
+    # ------------------------------------------------------------------ schedule and export
+
+    def schedule_at(self, step: int) -> float:
+        """The base run's schedule ratio at any ``step``, continuous (never a staircase).
+
+        A :class:`~fslr_func.recorder.Recorder` stores the ratio at every training step in
+        ``meta["sched_per_step"]`` (index = step): that value, exactly. Between and beyond
+        what is stored, ``sched`` is interpolated linearly between recorded rows and held
+        after the last one.
+
+        Example:
+            >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]}, sched=[1.0, 0.5])
+            >>> rec.schedule_at(4), rec.schedule_at(20)
+            (0.8, 0.5)
+            >>> rec.meta["sched_per_step"] = [0.0, 0.25]
+            >>> rec.schedule_at(1)
+            0.25
+        """
+        per_step = self.meta.get("sched_per_step") or []
+        if 0 <= step < len(per_step):
+            return float(per_step[step])
+        i = self._row(step)
+        if step <= self.steps[i] or i + 1 == len(self.steps):
+            return self.sched[i]
+        t0, t1 = self.steps[i], self.steps[i + 1]
+        w = (step - t0) / (t1 - t0)
+        return (1 - w) * self.sched[i] + w * self.sched[i + 1]
+
+    def to_rows(self) -> list[dict[str, float]]:
+        """One flat dict per recorded step: ``step``, ``sched``, ``fslr/<name>``, ``lr/<name>``.
+
+        Example:
+            >>> FSLRRecord(steps=[0], fslr={"w": [0.5]}, lrs={"w": [0.1]}).to_rows()
+            [{'step': 0, 'sched': 1.0, 'fslr/w': 0.5, 'lr/w': 0.1}]
+        """
+        return [
+            {
+                "step": step,
+                "sched": self.sched[i],
+                **{f"fslr/{n}": v[i] for n, v in self.fslr.items()},
+                **{f"lr/{n}": v[i] for n, v in self.lrs.items()},
+            }
+            for i, step in enumerate(self.steps)
+        ]
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_rows` as CSV (a header row, then one row per step), atomically.
+
+        Example:
+            >>> import os, tempfile
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     FSLRRecord(steps=[0], fslr={"w": [0.5]}).to_csv(os.path.join(d, "r.csv"))
+            ...     print(open(os.path.join(d, "r.csv")).read().split())
+            ['step,sched,fslr/w', '0,1.0,0.5']
+        """
+        rows = self.to_rows()
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["step", "sched"])
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(path, out.getvalue())
+
+    def to_pandas(self) -> Any:
+        """:meth:`to_rows` as a ``pandas.DataFrame`` indexed by ``step``.
+
+        Raises:
+            ImportError: pandas is not installed (``pip install pandas``).
+        """
+        try:
+            import pandas as pd
+        except ImportError as err:
+            raise ImportError(
+                "FSLRRecord.to_pandas needs pandas: pip install pandas (or use to_rows/to_csv)"
+            ) from err
+        return pd.DataFrame(self.to_rows()).set_index("step")
 
 
 def _check_names(have: Mapping[str, object], given: Mapping[str, object], what: str) -> None:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -42,7 +42,7 @@ from .estimator import (
     log_sq_norm,
     mean_valid_log_stats,
 )
-from .functional import Inputs, check_single_process, readout_module
+from .functional import Inputs, check_single_process, is_dtensor, readout_module
 from .names import short_list
 from .options import ProbeOptions, Strategy
 from .probe import GradientReduction, run_probe
@@ -68,7 +68,10 @@ class Measurement:
         log_sq: the wrapper's log ``||Delta_W f||^2_RMS`` estimates after folding this
             step's probes in, on the device (NaN: nothing valid measured yet).
         folded: per tensor, how many of this step's probes were folded into its EMA (the
-            others were left out as not finite), on the device.
+            others were left out as not finite, or the tensor did not move), on the device.
+        changed: per tensor, whether the step changed it (a 0-d bool on the device). A tensor
+            the step left unchanged (no gradient, a step skipped by a ``GradScaler``) keeps
+            its EMA; read as :attr:`moved`.
     """
 
     before: dict[str, Tensor]
@@ -76,15 +79,16 @@ class Measurement:
     delta: dict[str, Tensor] = field(default_factory=dict)
     log_sq: dict[str, Tensor] = field(default_factory=dict)
     folded: dict[str, Tensor] = field(default_factory=dict)
-    reader: Callable[[Mapping[str, Tensor], Mapping[str, Tensor]], Reading] | None = None
+    changed: dict[str, Tensor] = field(default_factory=dict)
+    reader: Callable[[Measurement], Reading] | None = None
     _reading: Reading | None = None
 
     def read(self) -> Reading:
         """This step's estimates on the host: one synchronisation, made once and kept."""
         if self._reading is None:
             if self.reader is None:
-                return Reading({}, {}, ())
-            self._reading = self.reader(self.log_sq, self.folded)
+                return Reading({}, {}, (), ())
+            self._reading = self.reader(self)
         return self._reading
 
     @property
@@ -94,8 +98,15 @@ class Measurement:
         return self.read().fslr
 
     @property
+    def moved(self) -> tuple[str, ...]:
+        """The tensors the step changed (the others kept their estimates); empty: nothing
+        moved, as in a step skipped by a ``GradScaler``."""
+        return self.read().moved
+
+    @property
     def left_out(self) -> tuple[str, ...]:
-        """Tensors none of whose probes at this step could be folded in (not finite)."""
+        """Tensors that moved but none of whose probes at this step could be folded in (their
+        statistics were not finite)."""
         return self.read().left_out
 
 
@@ -106,12 +117,21 @@ class Reading:
     Attributes:
         fslr: tensor name -> FSLR (float64 scalar), for the tensors with a valid measurement.
         values: the same as Python floats (read in the same synchronisation).
-        left_out: tensors none of whose probes in the step read could be folded in.
+        moved: the tensors the step read changed (every tensor, outside a step).
+        left_out: tensors that moved but none of whose probes could be folded in.
     """
 
     fslr: dict[str, Tensor]
     values: dict[str, float]
+    moved: tuple[str, ...]
     left_out: tuple[str, ...]
+
+
+def _changed(delta: Tensor) -> Tensor:
+    """Whether an update is non-zero anywhere: a 0-d bool on the device. An FSDP2 shard's
+    answer is reduced over the ranks (a DTensor's ``full_tensor``), so every rank agrees."""
+    flag = (delta != 0).any()
+    return flag.full_tensor() if is_dtensor(flag) else flag  # type: ignore[attr-defined]
 
 
 def param_lrs(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
@@ -230,6 +250,7 @@ class FSLRModule(nn.Module):
         params: Mapping[str, Tensor] | None = None,
         step: int | None = None,
         strict: bool = False,
+        changed: Mapping[str, Tensor] | None = None,
     ) -> None:
         """Probe ``delta`` on ``inputs`` and fold the result into the EMAs, on the device.
 
@@ -245,6 +266,8 @@ class FSLRModule(nn.Module):
                 batches folded in before it, :attr:`probes`).
             strict: refuse NaN or Inf in ``delta``, the inputs and the output with an error
                 instead (this reads them on the host).
+            changed: name -> 0-d bool on the device; a tensor marked ``False`` (the step did
+                not change it) keeps its EMA. Default: every tensor is folded in.
         """
         batches = inputs if isinstance(inputs, list) else [inputs]
         generator = self.generator_for(next(self.module.parameters()).device)
@@ -262,7 +285,7 @@ class FSLRModule(nn.Module):
             self.resolved_strategy = result.strategy
             self.readout_roles.update(result.readout)
             means = {n: mean_valid_log_stats(s)[0] for n, s in result.log_stats.items()}
-            self.ema.update(means, step=self.probes if step is None else step)
+            self.ema.update(means, step=self.probes if step is None else step, include=changed)
             self.probes += 1
 
     def observe(
@@ -286,15 +309,20 @@ class FSLRModule(nn.Module):
     @contextlib.contextmanager
     def measure(
         self,
-        optimizer: torch.optim.Optimizer,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer],
         inputs: Inputs | list[Inputs],
         *,
         step: int | None = None,
     ) -> Iterator[Measurement]:
         """Measure the optimiser step taken inside the ``with`` block.
 
+        A tensor the step left unchanged (no gradient, a step skipped by a ``GradScaler``) is
+        not probed and its EMA is untouched; a tensor that moved but does not move the
+        function (LoRA ``A`` while ``B = 0``) is probed and reads 0.
+
         Args:
-            optimizer: any ``torch.optim`` optimiser over (some of) the module's parameters.
+            optimizer: any ``torch.optim`` optimiser over (some of) the module's parameters,
+                or several (Muon on the matrices, AdamW on the rest) stepped in the block.
             inputs: the probe batch (separate from the training batch), or a list of them.
             step: the label warnings give this step's probes if they are left out (see
                 :meth:`fold`).
@@ -311,11 +339,19 @@ class FSLRModule(nn.Module):
                 "fm.measure blocks cannot be nested: the outer block already measures this "
                 "optimiser step (with Recorder or FLeRM, do not also call fm.measure)"
             )
-        lrs = {n: lr for n, lr in param_lrs(self.module, optimizer).items() if lr != 0.0}
+        optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        held = {n: lr for o in optimizers for n, lr in param_lrs(self.module, o).items()}
+        if not held:
+            raise ValueError(
+                "the optimiser updates none of the module's trainable parameters: build it "
+                "from fm.parameters()"
+            )
+        lrs = {n: lr for n, lr in held.items() if lr != 0.0}
         if not lrs:
             raise ValueError(
-                "the optimiser updates none of the module's trainable parameters with a "
-                "non-zero learning rate: build it from fm.parameters()"
+                "every learning rate is 0 at this step (a warm-up from 0?): there is no update "
+                "to measure; measure a step with a non-zero rate (Recorder and FLeRM wait for "
+                "one by themselves)"
             )
         current = dict(self.module.named_parameters())
         before = {n: current[n].detach().clone() for n in lrs}
@@ -326,9 +362,12 @@ class FSLRModule(nn.Module):
         finally:
             self._measuring = False
         m.delta = {n: (current[n].detach() - before[n]) / lrs[n] for n in lrs}
+        # Which tensors moved is decided on the device (reading it would synchronise every
+        # step): an unchanged tensor's probe is computed but not folded in.
+        m.changed = {n: _changed(m.delta[n]) for n in lrs}
         counts = dict(self.ema.counts)
-        self.fold(inputs, m.delta, params=before, step=step)
-        m.log_sq, m.reader = self.log_sq(), self._read
+        self.fold(inputs, m.delta, params=before, step=step, changed=m.changed)
+        m.log_sq, m.reader = self.log_sq(), self._read_measurement
         m.folded = {n: c - counts[n] if n in counts else c for n, c in self.ema.counts.items()}
 
     def log_sq(self) -> dict[str, Tensor]:
@@ -345,13 +384,22 @@ class FSLRModule(nn.Module):
         (every probe of them dropped) are left out, and probes dropped since the last read are
         reported in one warning naming the step and the tensors.
         """
-        return self._read(self.log_sq(), {}).fslr
+        return self._read(self.log_sq(), {}, {}).fslr
 
-    def _read(self, log_sq: Mapping[str, Tensor], folded: Mapping[str, Tensor]) -> Reading:
+    def _read_measurement(self, m: Measurement) -> Reading:
+        return self._read(m.log_sq, m.folded, m.changed)
+
+    def _read(
+        self,
+        log_sq: Mapping[str, Tensor],
+        folded: Mapping[str, Tensor],
+        changed: Mapping[str, Tensor],
+    ) -> Reading:
         """``log_sq`` as FSLRs, after one synchronisation that finds and reports the drops."""
         names = list(log_sq)
         if not names:
-            return Reading({}, {}, ())
+            return Reading({}, {}, tuple(changed), ())
+        moved = [changed.get(n, torch.ones((), dtype=torch.bool)) for n in names]
         rows = [
             torch.stack(
                 [
@@ -360,13 +408,14 @@ class FSLRModule(nn.Module):
                     self.ema.last_dropped[n],
                     folded[n] if n in folded else self.ema.counts[n],
                     fslr_from_log(log_sq[n]),
+                    is_moved.to(log_sq[n].device),
                 ]
             ).to(torch.float64)
-            for n in names
+            for n, is_moved in zip(names, moved, strict=True)
         ]
         flags = torch.stack([r.to(rows[0].device) for r in rows]).tolist()
         by_step: dict[int, list[str]] = {}
-        for n, (_, dropped, last, _, _) in zip(names, flags, strict=True):
+        for n, (_, dropped, last, *_) in zip(names, flags, strict=True):
             if dropped > self._reported.get(n, 0):
                 by_step.setdefault(int(last), []).append(n)
             self._reported[n] = int(dropped)
@@ -381,8 +430,10 @@ class FSLRModule(nn.Module):
             )
         valid = [(n, row) for n, row in zip(names, flags, strict=True) if not row[0]]
         fslr = {n: fslr_from_log(log_sq[n]) for n, _ in valid}
-        left_out = tuple(n for n, row in zip(names, flags, strict=True) if row[3] == 0)
-        return Reading(fslr, {n: row[4] for n, row in valid}, left_out)
+        rows_of = dict(zip(names, flags, strict=True))
+        went = tuple(n for n in changed if n not in rows_of or rows_of[n][5])
+        left_out = tuple(n for n in went if n in rows_of and rows_of[n][3] == 0)
+        return Reading(fslr, {n: row[4] for n, row in valid}, went, left_out)
 
     def reset(self) -> None:
         """Forget the EMAs (e.g. after a change of model or task)."""

@@ -312,7 +312,7 @@ def test_measure_with_an_optimiser_over_other_parameters() -> None:
     ):
         pass
     frozen_lr = torch.optim.SGD(fm.parameters(), lr=0.0)
-    with pytest.raises(ValueError, match="non-zero learning rate"), fm.measure(frozen_lr, x):
+    with pytest.raises(ValueError, match="every learning rate is 0"), fm.measure(frozen_lr, x):
         pass
 
 
