@@ -337,9 +337,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
             f"\nidentity check (FLeRM at the base scale): rates / lr in "
             f"[{check['lr_ratio_min']:.3f}, {check['lr_ratio_max']:.3f}]"
         )
+    cached = len(set(result.runs) - set(result.executed))
     print(
-        f"\n{len(result.executed)} run(s) trained, "
-        f"{len(result.runs) - len(result.executed)} cached; {summary['wall_seconds']:.0f} s"
+        f"\n{len(result.executed)} run(s) trained, {cached} cached; {summary['wall_seconds']:.0f} s"
     )
     print("wrote " + ", ".join(str(p) for p in written))
     return 0

@@ -69,6 +69,22 @@ def test_sweep_depth_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFix
     assert (figs / f"{record.stem}.png").stat().st_size > 1000
 
 
+def test_nearly_equal_scales_get_their_own_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 10: scale keys kept 6 digits, so 1 and 1.000001 shared run files ("-1 cached")
+    out = tmp_path / "init"
+    args = ["sweep", *TINY, "--axis", "init_scale", "--scales", "1,1.000001,4", "--lrs", "2^-5",
+            "--modes", "standard", "--out", str(out), "--no-plots"]  # fmt: skip
+    assert main(args) == 0
+    assert "3 run(s) trained, 0 cached" in capsys.readouterr().out
+    assert len(list((out / "runs").glob("*.json"))) == 3
+    assert set(json.loads((out / "summary.json").read_text())["modes"]["standard"]["loss"]) == {
+        "1", "1.000001", "4"}  # fmt: skip
+    assert main(args) == 0
+    assert "0 run(s) trained, 3 cached" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [
