@@ -92,6 +92,9 @@ def test_nearly_equal_scales_get_their_own_runs(
         (["sweep", "--scales", "1,-2"], "argument --scales"),
         (["sweep", "--scales", "1,1.5", "--width", "5"], "argument --scales"),
         (["sweep", "--lrs", "0.1,-1"], "argument --lrs"),
+        (["sweep", "--lrs", "2^2000"], "argument --lrs"),  # OverflowError traceback before
+        (["sweep", "--scales", "1,2**5000"], "argument --scales"),
+        (["demo", "--init-scale", "2^9999"], "argument --init-scale"),
         (["sweep", "--lrs", "2^-3..2^-5"], "argument --lrs"),
         (["sweep", "--steps", "0"], "argument --steps"),
         (["sweep", "--steps", "ten"], "argument --steps"),
@@ -126,6 +129,28 @@ def test_out_must_be_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path)])
     assert "argument path: " in capsys.readouterr().err
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], start: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(start), err
+    return err.splitlines()[-1]
+
+
+def test_unusable_out_or_damaged_sweep_json_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 10: --out /proc/x and a damaged sweep.json ended in tracebacks
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", *TINY, "--out", "/proc/x/runs"])
+    assert info.value.code == 2
+    line = _one_line_error(capsys, "fslr sweep: error: argument --out: cannot create '/proc/x")
+    (tmp_path / "sweep.json").write_text('{"config": {"steps": "ten"}}')
+    with pytest.raises(SystemExit) as info:
+        main(["plot", str(tmp_path)])
+    assert info.value.code == 2
+    line = _one_line_error(capsys, "fslr plot: error: argument path: ")
+    assert "sweep.json is damaged" in line and "steps" in line
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["sweep"], ["plot"]])

@@ -244,12 +244,19 @@ def load_runs(out: str | os.PathLike[str]) -> tuple[SweepConfig, dict[str, dict[
 
     Raises:
         FileNotFoundError: if ``out`` has no readable ``sweep.json``.
+        ValueError: if its config is damaged.
     """
     out = Path(out)
     meta = _read_json(out / "sweep.json")
     if not isinstance(meta, dict) or "config" not in meta:
         raise FileNotFoundError(f"{out} is not a sweep folder: it has no readable sweep.json")
-    config = SweepConfig.from_dict(meta["config"])
+    try:
+        config = SweepConfig.from_dict(meta["config"]).validate(builtin=False)
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"{out / 'sweep.json'} is damaged: its config is invalid ({err}); run the sweep "
+            "again to rewrite it"
+        ) from err
     cache = SweepCache(out, str(meta.get("fingerprint")), list(range(config.seeds)))
     runs = {}
     for spec in grid(config):
