@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -165,10 +166,15 @@ def test_damaged_cache_file_is_rerun(tmp_path: Path) -> None:
     assert _sweep(cfg, tmp_path).executed == [key]
 
 
-def test_damaged_run_contents_are_rerun_and_rewritten(tmp_path: Path) -> None:
+def test_damaged_cache_files_are_rerun_and_rewritten(tmp_path: Path) -> None:
     # issue 10: a run file with "loss": "abc" was cached as valid; the summary raised TypeError
     cfg = tiny_config(seeds=1, scales=(1,), lrs=(0.01,))
     first = _sweep(cfg, tmp_path)
+    record = tmp_path / "records" / "lr=0.01_seed=0.json"
+    good = FSLRRecord.load(record)
+    record.write_text(record.read_text()[:50])  # cut short
+    assert _sweep(cfg, tmp_path).executed == [RunSpec("standard", 1.0, 0.01, 0).key]
+    assert FSLRRecord.load(record) == good
     key = RunSpec("flerm", 1.0, 0.01, 0).key
     path = tmp_path / "runs" / f"{key}.json"
     for change in ({"loss": "abc"}, {"losses": [1.0, "nan"]}, {"flerm": {"lrs": {"w": None}}},
@@ -203,6 +209,19 @@ def test_base_record_swapped_by_another_sweep_is_not_used(tmp_path: Path) -> Non
     # a resumed sweep finds the foreign record stale: it re-records it, keeps its FLeRM runs
     assert _sweep(cfg, tmp_path).executed == [RunSpec("standard", 1.0, 0.02, 0).key]
     assert FSLRRecord.load(record).fslr == mean.fslr
+
+
+def test_files_get_the_umask_permissions(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, scales=(1,), lrs=(0.01,))
+    old = os.umask(0o027)
+    try:
+        _sweep(cfg, tmp_path / "out")
+    finally:
+        os.umask(old)
+    paths = list((tmp_path / "out").rglob("*"))
+    assert len(paths) == 8  # sweep.json, summary.json, 2 folders, 2 runs, record, mean
+    for path in paths:
+        assert path.stat().st_mode & 0o777 == (0o750 if path.is_dir() else 0o640), path
 
 
 # ---------------------------------------------------------------------------------- FLeRM

@@ -30,13 +30,19 @@ __all__ = ["format_table", "summarise"]
 def _seed_mean(cell: list[Mapping[str, Any] | None], field: str) -> float | None:
     """The mean of ``field`` over the seeds' runs; ``None`` if a run or its value is missing.
 
+    Each value is divided by the count before the sum, so losses near the float maximum
+    average to a finite number (``math.fsum`` of them raises ``OverflowError``).
+
     Example:
         >>> _seed_mean([{"loss": 1.0}, {"loss": 2.0}], "loss"), _seed_mean([None], "loss")
         (1.5, None)
+        >>> _seed_mean([{"loss": 1.5e308}, {"loss": 1.7e308}], "loss")
+        1.6e+308
     """
     values = [c.get(field) for c in cell if c]
     present = [v for v in values if v is not None]
-    return math.fsum(present) / len(present) if len(present) == len(cell) else None
+    n = len(present)
+    return math.fsum(v / n for v in present) if n == len(cell) else None
 
 
 def summarise(
