@@ -49,13 +49,13 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this machine (one of another user's counts)."""
+    """Whether process ``pid`` exists on this machine."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except PermissionError:  # another user's process
+        pass
     return True
 
 

@@ -467,9 +467,9 @@ def _mean(values: Sequence[float]) -> float:
         >>> _mean([1.7e308, 1.5e308])
         1.6e+308
     """
-    m = max(values)
-    if m == 0.0 or values.count(values[0]) == len(values):
+    if values.count(values[0]) == len(values):  # all zero included
         return values[0]
+    m = max(values)
     return m * (math.fsum(v / m for v in values) / len(values))
 
 
