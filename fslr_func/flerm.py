@@ -474,7 +474,9 @@ class FLeRM:
             f, target = measured[n], targets[n]
             usable = math.isfinite(f) and f > self.min_fslr and target > self.min_fslr
             ratio = target / f if usable else 0.0
-            if not (math.isfinite(f) and math.isfinite(ratio)):
+            # a rate past sqrt(dtype max) overflows inside the optimiser (a 1e300 base FSLR)
+            safe = self.lr0 * ratio <= torch.finfo(self._params[n].dtype).max ** 0.5
+            if not (math.isfinite(f) and math.isfinite(ratio) and safe):
                 nonfinite.append(n)
             elif ratio == 0.0:
                 zero.append(n)
@@ -489,9 +491,10 @@ class FLeRM:
             )
         if nonfinite:
             warnings.warn(
-                f"FLeRM step {step}: no finite FSLR estimate or rate for {nonfinite[:10]} "
-                "(every probe of this set point was left out as not finite, or the estimate "
-                "overflowed); they keep their previous learning rate",
+                f"FLeRM step {step}: no finite FSLR estimate or rate, or a rate too large for "
+                f"the parameter's dtype, for {nonfinite[:10]} (every probe of this set point "
+                "was left out as not finite, the estimate overflowed, or the base record's "
+                "FSLR is absurd); they keep their previous learning rate",
                 RuntimeWarning,
                 stacklevel=4,
             )

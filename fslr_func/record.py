@@ -39,7 +39,7 @@ import json
 import math
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
@@ -288,8 +288,9 @@ class FSLRRecord:
         """Average records of the same run over seeds (the paper averages 8 seeds).
 
         ``fslr``, ``lrs`` and ``sched`` are arithmetic means, step by step:
-        ``FSLR_W(t) = (1/S) sum_s FSLR_W^(s)(t)``. ``meta`` is the first record's, with
-        ``seed`` the list of all seeds (lists of seeds of earlier means are flattened).
+        ``FSLR_W(t) = (1/S) sum_s FSLR_W^(s)(t)``, computed in log space (:func:`_mean`), so
+        the mean of any finite values is finite. ``meta`` is the first record's, with ``seed``
+        the list of all seeds (lists of seeds of earlier means are flattened).
 
         Raises:
             ValueError: if there are no records, or they differ in tensor names, steps, shapes,
@@ -341,14 +342,9 @@ class FSLRRecord:
                     f"{where}: different base_lr ({lr0} vs {lrk}): average seeds of one "
                     "learning rate only"
                 )
-        n = len(recs)
 
         def avg(columns: list[list[float]]) -> list[float]:
-            # equal values (typical for lrs and sched) stay exact; otherwise fsum / n
-            return [
-                vals[0] if vals.count(vals[0]) == n else math.fsum(vals) / n
-                for vals in zip(*columns, strict=True)
-            ]
+            return [_mean(vals) for vals in zip(*columns, strict=True)]
 
         seeds: list[Any] = []
         for rec in recs:
@@ -532,6 +528,27 @@ class FSLRRecord:
                 "FSLRRecord.to_pandas needs pandas: pip install pandas (or use to_rows/to_csv)"
             ) from err
         return pd.DataFrame(self.to_rows()).set_index("step")
+
+
+def _mean(values: Sequence[float]) -> float:
+    r"""Arithmetic mean of finite values ``>= 0`` that cannot overflow.
+
+    The sum is taken in log space, ``log sum_i v_i = log m + log sum_i (v_i / m)`` with
+    ``m = max_i v_i`` (log-sum-exp), and the mean is ``m * ((1/n) sum_i v_i / m)``: every term
+    and partial sum is at most ``n``, so values near the float maximum average to a finite
+    number where ``math.fsum`` raises ``OverflowError``. Equal values (typical for ``lrs`` and
+    ``sched``) come back exactly.
+
+    Example:
+        >>> _mean([1.0, 3.0]), _mean([0.1, 0.1, 0.1]), _mean([0.0, 0.0])
+        (2.0, 0.1, 0.0)
+        >>> _mean([1.7e308, 1.5e308])
+        1.6e+308
+    """
+    if values.count(values[0]) == len(values):  # all zero included
+        return values[0]
+    m = max(values)
+    return m * (math.fsum(v / m for v in values) / len(values))
 
 
 def _check_names(have: Mapping[str, object], given: Mapping[str, object], what: str) -> None:
