@@ -346,7 +346,9 @@ class FSLRModule(nn.Module):
                 "the optimiser updates none of the module's trainable parameters: build it "
                 "from fm.parameters()"
             )
-        lrs = {n: lr for n, lr in held.items() if lr != 0.0}
+        sizes = {n: p.numel() for n, p in self.module.named_parameters()}
+        # A zero-size tensor moves nothing: it has no FSLR and is not probed.
+        lrs = {n: lr for n, lr in held.items() if lr != 0.0 and sizes[n] > 0}
         if not lrs:
             raise ValueError(
                 "every learning rate is 0 at this step (a warm-up from 0?): there is no update "

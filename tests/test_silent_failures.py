@@ -204,6 +204,15 @@ def test_a_zero_size_parameter_is_named(func: str) -> None:
         ONE_SHOT[func](model, torch.randn(5, 4), updates(model))
 
 
+def test_the_wrapper_leaves_zero_size_parameters_out() -> None:
+    fm = ff.with_fslr(WithEmpty(), samples=2, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    fm(torch.randn(5, 4)).sum().backward()
+    with fm.measure(opt, torch.randn(5, 4)) as m:
+        opt.step()
+    assert set(m.fslr) == {"lin.weight", "lin.bias"}
+
+
 # ---------------------------------------------------------------- no host round-trips
 
 
