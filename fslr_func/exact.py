@@ -31,6 +31,7 @@ from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
     OutputFn,
+    all_finite,
     as_output_tensor,
     check_inputs,
     evaluation_point,
@@ -165,7 +166,7 @@ def _check_output(out: Tensor) -> None:
     """Refuse an empty output or one with NaN or Inf entries."""
     if out.numel() == 0:
         raise ValueError("the model output is empty: nothing to measure; is the batch empty?")
-    if not bool(torch.isfinite(out).all()):
+    if not all_finite(out):
         raise ValueError(
             "the model output has NaN or Inf entries on this batch (its inputs are finite): "
             "the FSLR is undefined there; check the weights or use another batch"

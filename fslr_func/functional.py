@@ -219,12 +219,31 @@ def check_delta(
         )
     if not finite:
         return
-    non_finite = [n for n, d in delta.items() if not bool(torch.isfinite(d).all())]
+    non_finite = [n for n, d in delta.items() if not all_finite(d)]
     if non_finite:
         raise ValueError(
             f"{what} has NaN or Inf entries in {non_finite}: the update is not finite, so its "
             f"function-space learning rate is undefined (check the loss and learning rates)"
         )
+
+
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, without an elementwise mask of ``t``'s size.
+
+    A NaN or Inf entry makes the sum NaN or Inf, so a finite sum proves every entry finite;
+    only when the sum is not (a non-finite entry, or finite entries whose sum overflows) is
+    the elementwise test run, whose temporaries cost several times ``t`` (0.9 GB for a
+    language model's 131M logits). One or two host reads.
+
+    Example:
+        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+        >>> all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the entries do not
+        True
+    """
+    if not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
 def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
@@ -246,7 +265,7 @@ def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
                     f"the probe batch is empty: {where} has shape {tuple(leaf.shape)}; pass a "
                     f"batch with at least one example"
                 )
-            if finite and leaf.is_floating_point() and not bool(torch.isfinite(leaf).all()):
+            if finite and leaf.is_floating_point() and not all_finite(leaf):
                 raise ValueError(
                     f"the probe batch has NaN or Inf entries in {where}: the FSLR is "
                     f"undefined there; clean or skip the batch"

@@ -38,6 +38,7 @@ from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
     ReadoutFinder,
+    all_finite,
     as_output_tensor,
     check_inputs,
     evaluation_point,
@@ -266,7 +267,7 @@ def prepare_vjp(
             f"the model output is empty (shape {tuple(out_shape[-1])}): nothing to probe; is "
             f"the probe batch empty?"
         )
-    if strict and not bool(torch.isfinite(out).all()):
+    if strict and not all_finite(out):
         raise ValueError(
             "the model output has NaN or Inf entries on this probe batch (its inputs are "
             "finite): the FSLR is undefined there; check the weights or use another batch"
