@@ -54,9 +54,17 @@ if TYPE_CHECKING:
 
 __all__ = ["FSLRModule", "Measurement", "Reading", "param_lrs"]
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3  # 3: tensor names are the bare model's (fslr_func.names)
 _EXTRA = "_extra_state"
 _METADATA_KEY = "fslr_state"  # the wrapper's state, in the state dict's metadata
+
+
+def _renamed(state: Mapping[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
+    """The EMA's or readout roles' state with every per-tensor dict's names renamed."""
+    return {
+        k: {rename(n): x for n, x in v.items()} if isinstance(v, dict) else v
+        for k, v in state.items()
+    }
 
 
 def _save_bare(fm: FSLRModule, state: dict[str, Any], prefix: str, local: dict[str, Any]) -> None:
@@ -509,12 +517,15 @@ class FSLRModule(nn.Module):
         }
 
     def get_extra_state(self) -> dict[str, Any]:
-        """EMA, readout roles, omega generators and configuration, saved with ``state_dict``."""
+        """EMA, readout roles, omega generators and configuration, saved with ``state_dict``;
+        tensors under the bare model's names (as records have them)."""
         return {
             "version": _STATE_VERSION,
             "config": self.config(),
-            "ema": self.ema.state_dict(),
-            "readout_roles": dict(self.readout_roles),
+            "ema": _renamed(self.ema.state_dict(), lambda n: n.removeprefix(self.name_prefix)),
+            "readout_roles": {
+                n.removeprefix(self.name_prefix): r for n, r in self.readout_roles.items()
+            },
             "generators": {k: g.get_state() for k, g in self.generators.items()},
             "probes": self.probes,
             "resolved_strategy": self.resolved_strategy,
@@ -530,7 +541,7 @@ class FSLRModule(nn.Module):
         """
         if state is None:  # a bare model's state dict: the wrapper's state stays as it is
             return
-        if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
+        if not isinstance(state, dict) or state.get("version") not in (1, 2, _STATE_VERSION):
             raise ValueError("this FSLRModule state was saved by an incompatible fslr_func version")
         saved = state.get("config", {})
         differ = {
@@ -545,10 +556,11 @@ class FSLRModule(nn.Module):
                 f"the wrapper with the saved settings, or load with strict=False to keep this "
                 f"wrapper's settings and the saved averages"
             )
+        prefix = self.name_prefix if state["version"] == _STATE_VERSION else ""
         beta = self.beta
-        self.ema.load_state_dict(state["ema"])
+        self.ema.load_state_dict(_renamed(state["ema"], lambda n: prefix + n))
         self.ema.beta = beta
-        self.readout_roles = dict(state["readout_roles"])
+        self.readout_roles = {prefix + n: r for n, r in state["readout_roles"].items()}
         saved_generators = state.get("generators", {"cpu": state.get("generator")})
         self.generators = {}
         for key, generator_state in saved_generators.items():
