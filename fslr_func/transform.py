@@ -70,12 +70,12 @@ def _renamed(state: Mapping[str, Any], rename: Callable[[str], str]) -> dict[str
 def _save_bare(fm: FSLRModule, state: dict[str, Any], prefix: str, local: dict[str, Any]) -> None:
     """State-dict post-hook: the model's keys without the wrapper prefixes, the wrapper's own
     state in the metadata (where torch keeps module versions), so the bare model loads it."""
+    metadata = getattr(state, "_metadata", None)
+    if metadata is None:  # a destination without metadata: the wrapper's form, state as a key
+        return
     inner = prefix + fm.wrapper_prefix
     for key in [k for k in state if k.startswith(inner)]:
         state[prefix + key[len(inner) :]] = state.pop(key)
-    metadata = getattr(state, "_metadata", None)
-    if metadata is None:  # a destination without metadata keeps the state as a key
-        return
     local[_METADATA_KEY] = state.pop(prefix + _EXTRA)
     for key in [k for k in metadata if k.startswith(prefix + WRAPPER_PREFIXES[1][:-1])]:
         if key.startswith(inner):

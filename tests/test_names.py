@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -235,3 +236,6 @@ def test_a_state_saved_in_the_wrapper_form_still_loads() -> None:
     assert other.fslr() == fm.fslr() and torch.equal(
         other.module.module.bias, fm.module.module.bias
     )
+    plain: dict[str, Any] = {}  # a destination without metadata gets that form too
+    assert set(fm.state_dict(destination=plain)) == set(old)
+    ff.with_fslr(Inner(), samples=2).load_state_dict(plain)
