@@ -2,9 +2,9 @@
 
 A small MLP ``LightningModule`` with a linear warm-up from 0 is trained on scikit-learn's
 digits with ``FSLRCallback`` (the base record lands in ``<out>/base/fslr_record.json``); a 4x
-wider one is then trained with ``FLeRMCallback``, checkpointed half way and resumed from that
-checkpoint by a second ``Trainer`` with ``ckpt_path=``, which continues FLeRM's step count,
-rates and probe batches from the checkpoint.
+wider one is then trained with ``FLeRMCallback`` (checkpointed every 2 steps) and resumed from
+its half-way checkpoint by a second ``Trainer`` with ``ckpt_path=``, which continues FLeRM's
+step count, rates and probe batches: its weights equal the uninterrupted run's.
 
 Run: ``python examples/lightning.py --out /tmp/pl_flerm`` (a few seconds on one CPU core).
 """
@@ -64,15 +64,25 @@ def loader() -> DataLoader[Any]:
 def fit(
     width: int, out: str, callback: pl.Callback, steps: int, ckpt: str | None = None
 ) -> Classifier:
+    """Train for ``steps`` optimiser steps; without ``ckpt``, checkpoint every 2 steps
+    (``<out>/step-<step>.ckpt``, here the end of an epoch), else resume from ``ckpt``."""
     module = Classifier(width)
+    # Resume from a checkpoint ModelCheckpoint takes at a train step that ends an epoch:
+    # Lightning continues it exactly (the resumed weights equal the uninterrupted run's). One
+    # saved by trainer.save_checkpoint after fit() stopped at max_steps, or by ModelCheckpoint
+    # at on_train_epoch_end, is resumed one batch into an epoch Lightning counts as
+    # unfinished: the first step after it accumulates 1 batch instead of 2, on other data.
+    saving = pl.callbacks.ModelCheckpoint(
+        dirpath=out, filename="step-{step}", auto_insert_metric_name=False, save_top_k=-1,
+        every_n_train_steps=2,
+    )  # fmt: skip
     trainer = pl.Trainer(
         default_root_dir=out, max_steps=steps, accelerator="cpu", logger=False,
-        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=False,
-        accumulate_grad_batches=2, gradient_clip_val=1.0, callbacks=[callback],
+        enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=ckpt is None,
+        accumulate_grad_batches=2, gradient_clip_val=1.0,
+        callbacks=[callback] if ckpt else [callback, saving],
     )  # fmt: skip
     trainer.fit(module, loader(), ckpt_path=ckpt)
-    if ckpt is None:
-        trainer.save_checkpoint(os.path.join(out, f"step-{steps}.ckpt"))
     return module
 
 
@@ -88,7 +98,6 @@ def main(out: str, steps: int = 4) -> tuple[Classifier, Classifier]:
 
     wide = os.path.join(out, "wide")
     full = fit(64, wide, callback(), steps)
-    fit(64, wide, callback(), steps // 2)
     resumed = fit(64, wide, callback(), steps, ckpt=os.path.join(wide, f"step-{steps // 2}.ckpt"))
     return full, resumed
 

@@ -61,6 +61,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 from .estimator import Estimator, check_estimator
 from .fsdp import gathered, is_fully_sharded
 from .functional import Inputs
+from .names import unwrapped
 from .options import ProbeOptions
 from .probe import OmegaSlice, ProbeResult, run_probe
 from .process_group import ProcessGroup, broadcast_seed, collective_device, rank_and_size
@@ -112,11 +113,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         >>> unwrap(torch.nn.DataParallel(lin)) is lin, unwrap(lin) is lin
         (True, True)
     """
-    while is_data_parallel(model):
-        inner = model.module
-        assert isinstance(inner, nn.Module)
-        model = inner
-    return model
+    return unwrapped(model, compiled=False)[0]
 
 
 def omega_span(sizes: Sequence[int], rank: int) -> tuple[int, int]:

@@ -96,6 +96,7 @@ from torch import Tensor
 from . import policies
 from .control_options import check_log_fn, check_scheduler, check_state, optimizers_of
 from .functional import Inputs
+from .names import recorded_names
 from .probe_schedule import ProbeFeed, ProbePlan
 from .record import FSLRRecord, grouping_meta
 from .record_meta import is_learning_rate
@@ -243,6 +244,11 @@ class FLeRM:
         self._params = dict(fm.module.named_parameters())
         self._name_of = {id(p): n for n, p in self._params.items()}
         self.names: list[str] = []
+        # policies see bare names on both sides (fslr_func.names): the scaled model's without
+        # its wrappers' prefixes, the record's read by recorded_names
+        prefix = fm.name_prefix
+        self._bare = {n: n.removeprefix(prefix) for n in self._params}
+        self._base_names = recorded_names(base.names, self._bare.values())
         self._adopt_groups()
         self._check_base()
         self.lr0 = float(base.meta["base_lr"])
@@ -316,11 +322,11 @@ class FLeRM:
                 "with_fslr(..., grouping=...) or re-record the base"
             )
         if self._policy is policies.identity:
-            shapes = base.shapes
+            shapes = {self._base_names.get(n, n): s for n, s in base.shapes.items()}
             bad = [
-                f"{n!r}: base {list(shapes[n])} vs scaled {list(self._params[n].shape)}"
+                f"{n!r}: base {list(shapes[b])} vs scaled {list(self._params[n].shape)}"
                 for n in self.names
-                if n in shapes and len(shapes[n]) != self._params[n].dim()
+                if (b := self._bare[n]) in shapes and len(shapes[b]) != self._params[n].dim()
             ]
             if bad:
                 raise ValueError(
@@ -340,14 +346,19 @@ class FLeRM:
         fslr = self.base.at(step)
         rates = self.base.lrs_at(step)
         sched = self.base.sched_at(step)
-        moved = {b: f * (rates[b] / self.lr0 / sched) if b in rates else f for b, f in fslr.items()}
+        moved = {
+            self._base_names[b]: f * (rates[b] / self.lr0 / sched) if b in rates else f
+            for b, f in fslr.items()
+        }
         # the policy maps the whole model (an optimiser may hold a subset: Muon + AdamW); under
         # the identity policy a base record of a subset is matched on that subset
-        model = [n for n, p in self._params.items() if p.requires_grad or n in self.names]
+        bare = self._bare
+        model = [bare[n] for n, p in self._params.items() if p.requires_grad or n in self.names]
         if self._policy is policies.identity:
-            model = [n for n in model if n in fslr or n in self.names]
+            held = {bare[n] for n in self.names}
+            model = [n for n in model if n in moved or n in held]
         targets = policies.apply(self._policy, moved, model, allow_zero=True)
-        return {n: targets[n] for n in self.names}
+        return {n: targets[bare[n]] for n in self.names}
 
     # ------------------------------------------------------------------ rates
 

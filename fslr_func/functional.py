@@ -22,6 +22,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
 from .estimator import ReadoutRole
+from .names import unwrapped
 
 Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
 OutputFn = Callable[[Any], Tensor]
@@ -129,15 +130,7 @@ def compiled_inner(model: nn.Module) -> tuple[nn.Module, str]:
     optimiser and the user see) but run the original module eagerly: torch.func transforms
     of a compiled forward would recompile under every transform, or not trace at all.
     """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    compiled = getattr(eval_frame, "OptimizedModule", None)
-    prefix = ""
-    while compiled is not None and isinstance(model, compiled):
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            break
-        model, prefix = inner, prefix + "_orig_mod."
-    return model, prefix
+    return unwrapped(model, data_parallel=False)
 
 
 @contextlib.contextmanager

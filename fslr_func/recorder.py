@@ -46,6 +46,7 @@ import torch
 
 from .control_options import check_log_fn, check_scheduler, check_state, optimizers_of
 from .functional import Inputs
+from .names import unwrapped
 from .probe_schedule import ProbeFeed, ProbePlan
 from .record import FSLRRecord, grouping_meta, optimizer_meta
 from .record_meta import is_learning_rate
@@ -172,7 +173,12 @@ class Recorder:
             "base_lr": base_lr,
             "scheduler": None if scheduler is None else type(self.scheduler).__name__,
         }
-        shapes = {n: list(p.shape) for n, p in fm.module.named_parameters() if p.requires_grad}
+        self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.names)
+        shapes = {
+            n.removeprefix(self._prefix): list(p.shape)
+            for n, p in fm.module.named_parameters()
+            if p.requires_grad
+        }
         self.record = FSLRRecord(
             meta={
                 "estimator": fm.estimator,
@@ -180,7 +186,7 @@ class Recorder:
                 "beta": fm.beta,
                 "samples": fm.samples,
                 "shapes": shapes,
-                "model": type(fm.module).__name__,
+                "model": type(unwrapped(fm.module)[0]).__name__,
                 "base_lr": base_lr,
                 "schedule": self._config["scheduler"],
                 "warmup_samples": warmup_samples,
@@ -296,8 +302,12 @@ class Recorder:
         return [opt]
 
     def _append(self, step: int, m: Measurement, lrs: Mapping[str, float], sched: float) -> None:
+        bare = self._prefix
+        lrs = {n.removeprefix(bare): lr for n, lr in lrs.items()}
         names = self.record.names or list(lrs)
-        values = m.read().values  # the row's one synchronisation
+        reading = m.read()  # the row's one synchronisation
+        values = {n.removeprefix(bare): v for n, v in reading.values.items()}
+        moved = [n.removeprefix(bare) for n in reading.moved]
         fslr = {n: values.get(n, 0.0) for n in names}
         bad = [n for n, v in fslr.items() if not math.isfinite(v)]
         if bad:
@@ -308,14 +318,14 @@ class Recorder:
                 stacklevel=4,
             )
             return
-        still = [n for n in names if n not in m.moved]
+        still = [n for n in names if n not in moved]
         if still:
             self._note(
                 f"still {still}",
                 f"Recorder: step {step}: {still[:10]} did not move (frozen, no gradient or rate "
                 "0): their row keeps the previous estimate (0 if they never moved)",
             )
-        new = [n for n in m.moved if n not in fslr]
+        new = [n for n in moved if n not in fslr]
         if new:
             self._note(
                 f"new {new}",

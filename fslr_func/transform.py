@@ -43,7 +43,7 @@ from .estimator import (
     mean_valid_log_stats,
 )
 from .functional import Inputs, check_single_process, is_dtensor, readout_module
-from .names import short_list
+from .names import WRAPPER_PREFIXES, short_list, unwrapped
 from .options import ProbeOptions, Strategy
 from .probe import GradientReduction, run_probe
 
@@ -54,7 +54,49 @@ if TYPE_CHECKING:
 
 __all__ = ["FSLRModule", "Measurement", "Reading", "param_lrs"]
 
-_STATE_VERSION = 2
+_STATE_VERSION = 3  # 3: tensor names are the bare model's (fslr_func.names)
+_EXTRA = "_extra_state"
+_METADATA_KEY = "fslr_state"  # the wrapper's state, in the state dict's metadata
+
+
+def _renamed(state: Mapping[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
+    """The EMA's or readout roles' state with every per-tensor dict's names renamed."""
+    return {
+        k: {rename(n): x for n, x in v.items()} if isinstance(v, dict) else v
+        for k, v in state.items()
+    }
+
+
+def _save_bare(fm: FSLRModule, state: dict[str, Any], prefix: str, local: dict[str, Any]) -> None:
+    """State-dict post-hook: the model's keys without the wrapper prefixes, the wrapper's own
+    state in the metadata (where torch keeps module versions), so the bare model loads it."""
+    metadata = getattr(state, "_metadata", None)
+    if metadata is None:  # a destination without metadata: the wrapper's form, state as a key
+        return
+    inner = prefix + fm.wrapper_prefix
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner) :]] = state.pop(key)
+    local[_METADATA_KEY] = state.pop(prefix + _EXTRA)
+    for key in [k for k in metadata if k.startswith(prefix + WRAPPER_PREFIXES[1][:-1])]:
+        if key.startswith(inner):
+            metadata[prefix + key[len(inner) :]] = metadata.pop(key)
+        elif inner.startswith(key + "."):  # a wrapper's entry; the bare model's has its version
+            entry = metadata.pop(key)
+            if key == inner[:-1]:
+                local.update(entry)
+
+
+def _load_bare(
+    fm: FSLRModule, state: dict[str, Any], prefix: str, local: Mapping[str, Any], *_: Any
+) -> None:
+    """Load-state-dict pre-hook: bare keys back under the wrapper prefixes. A state dict with
+    the state as a key is in the wrapper's form already (saved before names were bare)."""
+    if prefix + _EXTRA in state:
+        return
+    state[prefix + _EXTRA] = local.get(_METADATA_KEY)  # None: a bare model's, kept as it is
+    inner = prefix + fm.wrapper_prefix
+    for key in [k for k in state if k.startswith(prefix) and k != prefix + _EXTRA]:
+        state[inner + key[len(prefix) :]] = state.pop(key)
 
 
 @dataclass
@@ -157,6 +199,13 @@ class FSLRModule(nn.Module):
     Build it with :func:`fslr_func.with_fslr`. ``fm(x)`` is ``model(x)``; the wrapped module is
     ``fm.module`` and its parameters are ``fm``'s, under the names of ``model``.
 
+    ``fm.state_dict()`` has the bare model's keys (without ``module.``, nor the ``_orig_mod.``
+    of a ``torch.compile``-d model): ``model.load_state_dict(fm.state_dict())`` and
+    ``fm.load_state_dict(model.state_dict())`` both work. The wrapper's own state (EMAs, omega
+    generators) rides in the state dict's metadata, as torch's module versions do:
+    ``torch.save``/``torch.load`` keep it, a copied plain ``dict`` does not, and a state dict
+    without it (a bare model's) leaves the wrapper's state as it is.
+
     Args:
         model: any module with trainable parameters.
         estimator: ``"kron"``, ``"full"`` or ``"iid"``.
@@ -215,10 +264,25 @@ class FSLRModule(nn.Module):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
+        self.register_state_dict_post_hook(_save_bare)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(_load_bare)  # type: ignore[no-untyped-call]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward, unchanged."""
         return self.module(*args, **kwargs)
+
+    @property
+    def wrapper_prefix(self) -> str:
+        """What the wrapper's ``state_dict`` removes from its keys: ``module.`` (``fm.module``)
+        and the prefixes of wrappers inside it (``_orig_mod.`` of ``torch.compile``)."""
+        return WRAPPER_PREFIXES[1] + self.name_prefix
+
+    @property
+    def name_prefix(self) -> str:
+        """The prefix wrappers inside :attr:`module` add to the bare model's tensor names
+        (``_orig_mod.`` of ``torch.compile``; ``""`` for a bare model). Records hold names
+        without it (:mod:`fslr_func.names`)."""
+        return unwrapped(self.module)[1]
 
     @property
     def beta(self) -> float:
@@ -455,12 +519,15 @@ class FSLRModule(nn.Module):
         }
 
     def get_extra_state(self) -> dict[str, Any]:
-        """EMA, readout roles, omega generators and configuration, saved with ``state_dict``."""
+        """EMA, readout roles, omega generators and configuration, saved with ``state_dict``;
+        tensors under the bare model's names (as records have them)."""
         return {
             "version": _STATE_VERSION,
             "config": self.config(),
-            "ema": self.ema.state_dict(),
-            "readout_roles": dict(self.readout_roles),
+            "ema": _renamed(self.ema.state_dict(), lambda n: n.removeprefix(self.name_prefix)),
+            "readout_roles": {
+                n.removeprefix(self.name_prefix): r for n, r in self.readout_roles.items()
+            },
             "generators": {k: g.get_state() for k, g in self.generators.items()},
             "probes": self.probes,
             "resolved_strategy": self.resolved_strategy,
@@ -474,7 +541,9 @@ class FSLRModule(nn.Module):
                 another configuration (:meth:`config`), unless loaded with ``strict=False``
                 (the EMAs are then loaded as they are, under this wrapper's configuration).
         """
-        if not isinstance(state, dict) or state.get("version") not in (1, _STATE_VERSION):
+        if state is None:  # a bare model's state dict: the wrapper's state stays as it is
+            return
+        if not isinstance(state, dict) or state.get("version") not in (1, 2, _STATE_VERSION):
             raise ValueError("this FSLRModule state was saved by an incompatible fslr_func version")
         saved = state.get("config", {})
         differ = {
@@ -489,10 +558,11 @@ class FSLRModule(nn.Module):
                 f"the wrapper with the saved settings, or load with strict=False to keep this "
                 f"wrapper's settings and the saved averages"
             )
+        prefix = self.name_prefix if state["version"] == _STATE_VERSION else ""
         beta = self.beta
-        self.ema.load_state_dict(state["ema"])
+        self.ema.load_state_dict(_renamed(state["ema"], lambda n: prefix + n))
         self.ema.beta = beta
-        self.readout_roles = dict(state["readout_roles"])
+        self.readout_roles = {prefix + n: r for n, r in state["readout_roles"].items()}
         saved_generators = state.get("generators", {"cpu": state.get("generator")})
         self.generators = {}
         for key, generator_state in saved_generators.items():

@@ -88,3 +88,44 @@ def test_log_fn_writes_tensorboard_events_and_record_exports(tmp_path: Path) -> 
     if importlib.util.find_spec("pandas") is None:
         with pytest.raises(ImportError, match="pip install pandas"):
             rec.record.to_pandas()
+
+
+@pytest.mark.parametrize("moved", [True, False])
+def test_report_to_tensorboard_reports_fslr_after_log_to_reporters(
+    tmp_path: Path, moved: bool
+) -> None:
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    import transformers
+
+    from fslr_func.integrations.transformers import FSLRCallback, log_to_reporters
+
+    ex = example()
+    callback = FSLRCallback(ex.dataset(8, offset=10_000), every=1, warmup_samples=4)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+        logging_steps=1, report_to=["tensorboard"],
+        use_cpu=True, disable_tqdm=True, save_strategy="no",
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=ex.build("gpt2", 16), args=args, train_dataset=ex.dataset(8),
+        data_collator=transformers.default_data_collator, callbacks=[callback],
+    )  # fmt: skip
+    if moved:
+        log_to_reporters(trainer)
+        names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+        assert names.index("FSLRCallback") < names.index("TensorBoardCallback")
+        trainer.train()
+    else:
+        with pytest.warns(RuntimeWarning, match=r"log_to_reporters\(trainer\)"):
+            trainer.train()
+    acc = event_accumulator.EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*"))))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    expected = "train/fslr/transformer.h.0.mlp.c_fc.weight"
+    assert ("train/loss" in tags) and ((expected in tags) == moved)
+    if moved:
+        logged = [e["fslr/transformer.h.0.mlp.c_fc.weight"] for e in trainer.state.log_history
+                  if "loss" in e]  # fmt: skip
+        assert [e.value for e in acc.Scalars(expected)] == pytest.approx(logged, rel=1e-6)

@@ -1,5 +1,6 @@
 """The Lightning callbacks with the real ``lightning.Trainer`` (CPU, a few steps): a base
-record, FLeRM with a warm-up from 0, accumulation and clipping, logging, checkpoint, resume."""
+record, FLeRM with a warm-up from 0, accumulation and clipping, logging, checkpoint, and a resume
+whose weights equal the uninterrupted run's."""
 
 from __future__ import annotations
 
@@ -34,3 +35,9 @@ def test_lightning_record_flerm_checkpoint_resume(tmp_path: Path) -> None:
     flerm = callback.session.controller
     assert flerm.t == 4 and [p.step for p in flerm.history] == [1, 2, 3]
     assert not callback.session._hooks  # detached at the end of training
+    uninterrupted = next(c for c in full.trainer.callbacks if type(c).__name__ == "FLeRMCallback")
+    assert [p.lrs for p in flerm.history] == [
+        p.lrs for p in uninterrupted.session.controller.history
+    ]
+    for (name, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
+        assert torch.equal(a, b), name  # the resume continues exactly

@@ -15,8 +15,9 @@ saved as ``fslr_state.pt`` in each checkpoint folder and loaded by ``resume_from
 (from ``output_dir/checkpoint-<step>``). ``FSLRCallback`` writes the record to
 ``output_dir/fslr_record.json`` at every checkpoint and at the end. At each ``on_log`` the
 latest FSLRs (``fslr/<tensor>``) and FLeRM rates (``flerm_lr/<tensor>``) are added to the
-logs and to ``state.log_history``; reporting callbacks placed after this one (or
-``log_fn=``) receive them too.
+logs and to ``state.log_history``. The ``Trainer`` puts the reporting callbacks of
+``report_to`` (TensorBoard, W&B...) before yours, so they report the logs before this callback
+adds to them: :func:`log_to_reporters` moves the FSLR callbacks before them.
 
 Example:
     >>> from fslr_func.integrations.transformers import FSLRCallback
@@ -31,16 +32,20 @@ import inspect
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
 from ..record import FSLRRecord
 from .session import RECORD_FILE, STATE_FILE, Session
 
-__all__ = ["FLeRMCallback", "FSLRCallback", "logits"]
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+__all__ = ["FLeRMCallback", "FSLRCallback", "log_to_reporters", "logits"]
 
 
 def logits(output: Any) -> Any:
@@ -50,6 +55,34 @@ def logits(output: Any) -> Any:
 
 def _out(args: TrainingArguments) -> str:
     return str(args.output_dir)
+
+
+def log_to_reporters(trainer: Trainer) -> None:
+    """Let the ``Trainer``'s reporters (``report_to``: TensorBoard, W&B...) report the FSLR
+    callbacks' ``fslr/`` and ``flerm_lr/`` scalars.
+
+    The ``Trainer`` calls its reporting callbacks before the ones you pass, and each reporter
+    sends the logs on at once; this moves ``trainer``'s :class:`FSLRCallback` and
+    :class:`FLeRMCallback` to just before the first reporter, so the logs they see carry the
+    FSLR scalars. Call it once, after building the ``Trainer`` and before ``train()``.
+
+    Raises:
+        ValueError: ``trainer`` has no FSLR callback.
+
+    Example:
+        >>> trainer.add_callback(FLeRMCallback(base, probes))  # doctest: +SKIP
+        >>> log_to_reporters(trainer)  # doctest: +SKIP
+    """
+    callbacks = trainer.callback_handler.callbacks
+    ours = [c for c in callbacks if isinstance(c, _Callback)]
+    if not ours:
+        raise ValueError("the Trainer has no FSLRCallback or FLeRMCallback to move")
+    rest = [c for c in callbacks if not isinstance(c, _Callback)]
+    reporters = tuple(INTEGRATION_TO_CALLBACK.values())
+    first = next((i for i, c in enumerate(rest) if isinstance(c, reporters)), len(rest))
+    callbacks[:] = rest[:first] + ours + rest[first:]
+    for callback in ours:
+        callback.before_reporters = True
 
 
 class _ProbeInputs:
@@ -79,6 +112,7 @@ class _Callback(TrainerCallback):
         self.session = Session(
             base, fslr_options={"output_fn": logits, **(fslr_options or {})}, options=options
         )
+        self.before_reporters = False
 
     def on_train_begin(
         self,
@@ -93,6 +127,15 @@ class _Callback(TrainerCallback):
     ) -> None:
         if model is None or optimizer is None:
             raise RuntimeError("the Trainer passed no model or optimizer to the callback")
+        if args.report_to and not self.before_reporters:
+            warnings.warn(
+                f"the Trainer's reporters ({', '.join(args.report_to)}) run before "
+                f"{type(self).__name__} and will not report fslr/ and flerm_lr/ (they are in "
+                "state.log_history): call fslr_func.integrations.transformers."
+                "log_to_reporters(trainer) before trainer.train()",
+                RuntimeWarning,
+                stacklevel=2,
+            )
         collate = getattr(train_dataloader, "collate_fn", None)
         loader: DataLoader[Any] = DataLoader(
             self.probe_dataset,  # type: ignore[arg-type]
