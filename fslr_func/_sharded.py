@@ -1,9 +1,11 @@
-r"""Statistics of a ``Z`` sharded across ranks: the building block of the FSDP2 probe.
+r"""Statistics of a ``Z`` sharded across ranks: the building block of a lower-memory FSDP2 probe.
 
 Under FSDP2 (``torch.distributed.fsdp.fully_shard``) every parameter is a DTensor sharded along
 dim 0, so each rank holds a shard of ``Z = dW * g``. The ``D + 2`` statistics of the full ``Z``
 (:func:`fslr_func.estimator.log_statistics`) follow from per-shard partial sums and two small
-all-reduces (:func:`shard_log_statistics`). Not public yet: the sharded probe will build on it.
+all-reduces (:func:`shard_log_statistics`). Not used by the probe yet, which all-gathers the
+parameters and the update instead (:mod:`fslr_func.fsdp`; ``docs/distributed.md`` says what a
+probe on shards would save).
 """
 
 from __future__ import annotations

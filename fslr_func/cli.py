@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import time
@@ -49,6 +50,8 @@ def _number(text: str) -> float:
         value = 2.0 ** float(m.group(1)) if m else float(t)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a number") from None
+    except OverflowError:  # 2^2000
+        raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a finite number") from None
     if not math.isfinite(value):
         raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a finite number")
     return value
@@ -356,6 +359,12 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
     out: Path = args.out or Path("fslr_runs") / name
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"argument --out: cannot create {str(out)!r}: {err.strerror or err}")
+    if not os.access(out, os.W_OK | os.X_OK):
+        parser.error(f"argument --out: {str(out)!r} is not writable")
     jobs = args.jobs or default_jobs()
     start = time.perf_counter()
     try:
@@ -374,20 +383,22 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
     )
     try:
         result = run_sweep(config, out, jobs=jobs, quiet=args.quiet)
+        summary = result.summary
+        written = [out / "summary.json"]
+        if not args.no_plots:
+            try:
+                from .plot import plot_sweep
+
+                written += plot_sweep(out)
+            except ImportError as err:
+                _note(f"note: no plots ({err})")
+        summary["wall_seconds"] = round(time.perf_counter() - start, 2)
+        _write_summary(out / "summary.json", summary)
     except KeyboardInterrupt:
         _note(f"\ninterrupted: finished runs are cached in {out}; run the same command to resume")
         return 130
-    summary = result.summary
-    written = [out / "summary.json"]
-    if not args.no_plots:
-        try:
-            from .plot import plot_sweep
-
-            written += plot_sweep(out)
-        except ImportError as err:
-            _note(f"note: no plots ({err})")
-    summary["wall_seconds"] = round(time.perf_counter() - start, 2)
-    _write_summary(out / "summary.json", summary)
+    except OSError as err:  # every file the command writes is in --out (disk full, read-only)
+        parser.error(f"argument --out: {err}")
     print(
         f"\nBest learning rate per {config.axis} (train loss averaged over the last "
         f"{config.last} of {config.steps} batches, mean of {config.seeds} seed(s)):\n"
@@ -399,9 +410,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
             f"\nidentity check (FLeRM at the base scale): rates / lr in "
             f"[{check['lr_ratio_min']:.3f}, {check['lr_ratio_max']:.3f}]"
         )
+    cached = len(set(result.runs) - set(result.executed))
     print(
-        f"\n{len(result.executed)} run(s) trained, "
-        f"{len(result.runs) - len(result.executed)} cached; {summary['wall_seconds']:.0f} s"
+        f"\n{len(result.executed)} run(s) trained, {cached} cached; {summary['wall_seconds']:.0f} s"
     )
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
@@ -416,19 +427,20 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from .plot import plot_record, plot_sweep
 
     path: Path = args.path
-    if path.is_dir():
-        if not (path / "sweep.json").exists():
-            parser.error(f"argument path: {str(path)!r} is not a sweep folder (no sweep.json)")
-        written = plot_sweep(path, args.out)
-        config, runs = load_runs(path)
-        print(format_table(summarise(config, runs)))
-    elif path.is_file():
-        try:
-            written = plot_record(path, args.out)
-        except ValueError as err:
-            parser.error(f"argument path: {err}")
-    else:
+    if not path.exists():
         parser.error(f"argument path: {str(path)!r} does not exist")
+    if path.is_dir() and not (path / "sweep.json").exists():
+        parser.error(f"argument path: {str(path)!r} is not a sweep folder (no sweep.json)")
+    try:
+        if path.is_dir():
+            written = plot_sweep(path, args.out)
+            config, runs = load_runs(path)
+            print(format_table(summarise(config, runs)))
+        else:
+            written = plot_record(path, args.out)
+    except (OSError, ValueError) as err:  # a damaged file, an unwritable --out
+        where = "--out" if args.out is not None and str(args.out) in str(err) else "path"
+        parser.error(f"argument {where}: {err}")
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

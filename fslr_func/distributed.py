@@ -30,7 +30,9 @@ Costs per probe: one ``all_gather`` of three integers, then one ``all_reduce`` p
 parameter elements: the gradient-sized all-reduce DDP performs at every step, once per sample.
 
 The probe here is the core probe (:func:`fslr_func.probe.run_probe`, the one sampling loop)
-with a :class:`DataParallelReduction` hook: every fix to the core holds here too.
+with a :class:`DataParallelReduction` hook: every fix to the core holds here too. A model
+sharded with FSDP2 (``fully_shard``) is probed the same way after its parameters and the update
+are all-gathered for the probe's duration (:func:`fslr_func.fsdp.gathered`).
 
 Example:
     Under ``torchrun --nproc-per-node=2 train.py``, with the process group initialised:
@@ -57,7 +59,9 @@ from torch import Tensor, nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from .estimator import Estimator, check_estimator
+from .fsdp import gathered, is_fully_sharded
 from .functional import Inputs
+from .names import unwrapped
 from .options import ProbeOptions
 from .probe import OmegaSlice, ProbeResult, run_probe
 from .process_group import ProcessGroup, broadcast_seed, collective_device, rank_and_size
@@ -109,11 +113,7 @@ def unwrap(model: nn.Module) -> nn.Module:
         >>> unwrap(torch.nn.DataParallel(lin)) is lin, unwrap(lin) is lin
         (True, True)
     """
-    while is_data_parallel(model):
-        inner = model.module
-        assert isinstance(inner, nn.Module)
-        model = inner
-    return model
+    return unwrapped(model, compiled=False)[0]
 
 
 def omega_span(sizes: Sequence[int], rank: int) -> tuple[int, int]:
@@ -251,16 +251,20 @@ def probe(
     ``Z = dW * g`` is reduced to statistics, which are therefore identical on every rank.
 
     Args:
-        model: any module, or a ``DistributedDataParallel``/``DataParallel`` wrapper (unwrapped).
+        model: any module, a ``DistributedDataParallel``/``DataParallel`` wrapper (unwrapped),
+            or an FSDP2 (``fully_shard``) module, whose parameters are all-gathered for the
+            probe (:func:`fslr_func.fsdp.gathered`).
         inputs: this rank's shard of the probe batch (batch-first, so that concatenating the
             ranks' flattened outputs in rank order gives the global batch's flattened output).
-        delta: parameter name -> unit-learning-rate update (the same on every rank under DDP).
+        delta: parameter name -> unit-learning-rate update (the same on every rank under DDP;
+            under FSDP2 each rank's DTensor shards of it).
         group: the process group; ``None``: the default group.
         omega_draw: ``"global"`` (each rank draws the full vector and keeps its slice: equal to
             the single-process probe of the concatenated batch) or ``"local"`` (each rank draws
             only its slice from a per-rank generator: cheaper, same distribution).
         generator: draws omega; seed it identically on every rank for ``omega_draw="global"``.
-        params: values to evaluate the gradient at; defaults to the module's parameters.
+        params: values to evaluate the gradient at (DTensor shards under FSDP2); defaults to
+            the module's parameters.
         **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`); here
             ``chunk_size`` is also the number of samples per all-reduce, and peak memory holds
             ``chunk_size`` gradients (and their all-reduce buffer).
@@ -275,15 +279,17 @@ def probe(
     opts = ProbeOptions(**options)
     reduction = DataParallelReduction(group, omega_draw)
     rank_and_size(group)
-    return run_probe(
-        unwrap(model),
-        inputs,
-        delta,
-        opts,
-        generator=generator,
-        params=params,
-        reduction=reduction,
-    )
+    inner = unwrap(model)
+    with gathered(inner, delta, params) as (full_delta, rest):
+        return run_probe(
+            inner,
+            inputs,
+            full_delta,
+            opts,
+            generator=generator,
+            params=rest,
+            reduction=reduction,
+        )
 
 
 def estimate(
@@ -322,19 +328,25 @@ def estimate(
 
 
 class DistributedFSLRModule(FSLRModule):
-    """:class:`~fslr_func.transform.FSLRModule` for data-parallel training.
+    """:class:`~fslr_func.transform.FSLRModule` for data-parallel and FSDP2 training.
 
-    Built by :func:`fslr_func.with_fslr` when it is given a ``DistributedDataParallel`` module
-    or ``distributed=True``. A DDP (or ``DataParallel``) wrapper is unwrapped: ``fm.module`` is
-    the inner model (so names, ``state_dict`` keys and FSLR keys are the single-process ones),
-    ``fm.ddp`` is the wrapper, and ``fm(x)`` runs the wrapper's forward (gradients stay
-    synchronised). The other order works too: ``DDP(with_fslr(model, distributed=True))``.
+    Built by :func:`fslr_func.with_fslr` when it is given a ``DistributedDataParallel`` module,
+    an FSDP2 (``fully_shard``) module or ``distributed=True``. A DDP (or ``DataParallel``)
+    wrapper is unwrapped: ``fm.module`` is the inner model (so names, ``state_dict`` keys and
+    FSLR keys are the single-process ones), ``fm.ddp`` is the wrapper, and ``fm(x)`` runs the
+    wrapper's forward (gradients stay synchronised). The other order works too:
+    ``DDP(with_fslr(model, distributed=True))``. An FSDP2 module is ``fm.module`` itself (its
+    parameter names are the unsharded model's) and runs its own forward.
 
     With ``distributed=True`` every probe goes through the data-parallel reduction
     (:class:`DataParallelReduction` over ``group``); the omega generator is seeded with rank
     0's ``seed`` on every rank, so the estimates equal the single-process ones on the
-    concatenated probe batch. With ``distributed=False`` each rank probes only its shard
-    (estimates then differ across ranks).
+    concatenated probe batch. Under FSDP2 each probe first all-gathers the parameters and the
+    update (:func:`fslr_func.fsdp.gathered`). With ``distributed=False`` each rank probes only
+    its shard (estimates then differ across ranks); an FSDP2 module refuses it.
+
+    Raises:
+        ValueError: ``distributed=False`` for an FSDP2 module.
     """
 
     def __init__(
@@ -347,8 +359,14 @@ class DistributedFSLRModule(FSLRModule):
         seed: int | None = None,
         **kwargs: Any,
     ) -> None:
+        sharded = is_fully_sharded(model)
         if distributed is None:
-            distributed = isinstance(model, DistributedDataParallel)
+            distributed = isinstance(model, DistributedDataParallel) or sharded
+        if sharded and not distributed:
+            raise ValueError(
+                "an FSDP2 (fully_shard) model is probed across its ranks: distributed=False "
+                "is not supported for it (leave distributed=None)"
+            )
         reduction = DataParallelReduction(group, omega_draw) if distributed else None
         if distributed:
             seed = broadcast_seed(seed, group)
@@ -364,6 +382,24 @@ class DistributedFSLRModule(FSLRModule):
     def ddp(self) -> nn.Module | None:
         """The data-parallel wrapper given to :func:`fslr_func.with_fslr`, or ``None``."""
         return self._wrapper[0] if self._wrapper else None
+
+    def fold(
+        self,
+        inputs: Inputs | list[Inputs],
+        delta: Mapping[str, Tensor],
+        *,
+        params: Mapping[str, Tensor] | None = None,
+        step: int | None = None,
+        strict: bool = False,
+        changed: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        """:meth:`FSLRModule.fold`, on parameters and update all-gathered under FSDP2.
+
+        Every rank must call it (under FSDP2 the all-gathers, and in every distributed probe
+        the all-reduces, are collectives); ``measure`` and ``observe`` go through it.
+        """
+        with gathered(self.module, delta, params) as (full_delta, rest):
+            super().fold(inputs, full_delta, params=rest, step=step, strict=strict, changed=changed)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The data-parallel wrapper's forward (or the model's if it was not wrapped)."""

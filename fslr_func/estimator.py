@@ -182,14 +182,50 @@ def log_sq_norm(
         return log_e[2]
     if rank == 1:
         return log_e[1]
-    if torch.isneginf(log_q0):
-        return log_q0  # Z == 0 in every sample: the update does not move the function.
-    return log_e[1 : 1 + rank].sum() - (rank - 1) * log_q0
+    kron = log_e[1 : 1 + rank].sum() - (rank - 1) * log_q0
+    # Z == 0 in every sample: the update does not move the function (-inf, not -inf + inf).
+    return torch.where(torch.isneginf(log_q0), log_q0, kron)
 
 
 def fslr_from_log(log_sq: Tensor) -> Tensor:
     """FSLR (RMS norm) from the log of its square, as float64."""
     return (0.5 * log_sq).exp()
+
+
+def valid_log(log_x: Tensor) -> Tensor:
+    """Whether log statistics are usable: no NaN and no ``+inf`` along the last dim.
+
+    ``-inf`` is a statistic of exactly zero (an update that does not move the function) and is
+    valid. The result has the leading shape of ``log_x`` and stays on its device (no sync).
+
+    Example:
+        >>> valid_log(torch.tensor([[0.0, -math.inf], [math.nan, 0.0], [math.inf, 1.0]]))
+        tensor([ True, False, False])
+    """
+    return ~(torch.isnan(log_x) | torch.isposinf(log_x)).any(-1)
+
+
+def mean_valid_log_stats(log_stats: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`mean_log_stats` over the samples (rows) whose statistics are finite.
+
+    A sample whose gradient overflowed, or whose probe batch or update held a NaN, is left
+    out instead of poisoning the mean. Everything stays on the device: the caller learns
+    what was dropped when it next reads the values.
+
+    Returns:
+        ``(log_mean, dropped)``: the log mean of the valid rows (NaN if none is valid) and
+        the number of rows left out, a 0-d int64 tensor.
+
+    Example:
+        >>> ls = torch.tensor([[0.0], [math.log(3.0)], [math.nan]], dtype=torch.float64)
+        >>> log_mean, dropped = mean_valid_log_stats(ls)
+        >>> log_mean.exp(), int(dropped)
+        (tensor([2.], dtype=torch.float64), 1)
+    """
+    valid = valid_log(log_stats)
+    kept = torch.where(valid.unsqueeze(-1), log_stats, -math.inf)
+    count = valid.sum()
+    return torch.logsumexp(kept, dim=0) - count.to(log_stats.dtype).log(), valid.numel() - count
 
 
 @dataclass
@@ -200,42 +236,77 @@ class EMA:
     and the estimate :math:`m_t / (1 - \beta^t)`; all of it in log space (``logaddexp``), so a
     constant stream returns that constant from the first update on.
 
+    The state lives on the device of the statistics and an update never synchronises with
+    the host: an update holding a NaN or ``+inf`` (:func:`valid_log`) is not folded in (the
+    average and its count ``t`` keep their values) and is counted in :attr:`dropped`, with
+    its ``step`` label in :attr:`last_dropped`. A tensor with ``t = 0`` reads NaN from
+    :meth:`value`: nothing valid was measured yet.
+
     Example:
         >>> ema = EMA(beta=0.9)
         >>> for _ in range(3):
         ...     ema.update({"w": torch.tensor([0.0, 1.0], dtype=torch.float64)})
-        >>> ema.value()["w"]
-        tensor([0., 1.], dtype=torch.float64)
+        >>> ema.update({"w": torch.tensor([math.nan, 1.0], dtype=torch.float64)}, step=3)
+        >>> ema.value()["w"], int(ema.counts["w"]), int(ema.dropped["w"])
+        (tensor([0., 1.], dtype=torch.float64), 3, 1)
     """
 
     beta: float = 0.9
     log_m: dict[str, Tensor] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
+    counts: dict[str, Tensor] = field(default_factory=dict)
+    dropped: dict[str, Tensor] = field(default_factory=dict)
+    last_dropped: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.beta < 1.0:
             raise ValueError(f"beta must be in [0, 1), got {self.beta}")
 
-    def update(self, log_x: Mapping[str, Tensor]) -> None:
-        """Fold one probe's log expectations (one entry per tensor) into the averages."""
+    def update(
+        self,
+        log_x: Mapping[str, Tensor],
+        *,
+        step: int = -1,
+        include: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        """Fold one probe's log expectations (one entry per tensor) into the averages.
+
+        Args:
+            log_x: tensor name -> log expectations; an entry holding a NaN or ``+inf`` is
+                dropped (see the class docstring).
+            step: a label kept in :attr:`last_dropped` when an entry is dropped.
+            include: tensor name -> 0-d bool; an entry marked ``False`` is skipped: neither
+                folded in nor counted as dropped (a tensor the step did not change).
+        """
         log_beta = math.log(self.beta) if self.beta > 0 else -math.inf
         log_1mb = math.log1p(-self.beta)
         for name, x in log_x.items():
-            x = x.detach().to(torch.float64).cpu()
+            x = x.detach().to(torch.float64)
             previous = self.log_m.get(name)
             if previous is None or previous.shape != x.shape:
                 previous = torch.full_like(x, -math.inf)
-                self.counts[name] = 0
-            self.log_m[name] = torch.logaddexp(previous + log_beta, x + log_1mb)
-            self.counts[name] += 1
+                zero = torch.zeros((), dtype=torch.int64, device=x.device)
+                self.counts[name], self.dropped[name] = zero, zero
+                self.last_dropped[name] = zero - 1
+            previous = previous.to(x.device)
+            ok = valid_log(x)
+            wanted = None if include is None else include.get(name)
+            take = ok if wanted is None else ok & wanted
+            bad = ~ok if wanted is None else ~ok & wanted
+            self.log_m[name] = torch.where(
+                take, torch.logaddexp(previous + log_beta, x + log_1mb), previous
+            )
+            self.counts[name] = self.counts[name].to(x.device) + take
+            self.dropped[name] = self.dropped[name].to(x.device) + bad
+            self.last_dropped[name] = torch.where(bad, step, self.last_dropped[name].to(x.device))
 
     def value(self) -> dict[str, Tensor]:
-        """Bias-corrected log expectations per tensor."""
+        """Bias-corrected log expectations per tensor (NaN where nothing valid was folded in)."""
         out = {}
         for name, log_m in self.log_m.items():
-            t = self.counts[name]
-            correction = math.log1p(-(self.beta**t)) if self.beta > 0 else 0.0
-            out[name] = log_m - correction
+            t = self.counts[name].to(torch.float64)
+            if self.beta > 0:
+                log_m = log_m - torch.log1p(-torch.pow(self.beta, t))
+            out[name] = torch.where(t > 0, log_m, math.nan)
         return out
 
     def state_dict(self) -> dict[str, object]:
@@ -243,11 +314,21 @@ class EMA:
         return {
             "beta": self.beta,
             "log_m": {k: v.clone() for k, v in self.log_m.items()},
-            "counts": dict(self.counts),
+            "counts": {k: v.clone() for k, v in self.counts.items()},
+            "dropped": {k: v.clone() for k, v in self.dropped.items()},
+            "last_dropped": {k: v.clone() for k, v in self.last_dropped.items()},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore from :meth:`state_dict` (a ``count`` key of older versions is ignored)."""
+        """Restore from :meth:`state_dict` (older states, with int counts, load too)."""
         self.beta = float(state["beta"])
         self.log_m = {str(k): v.clone() for k, v in state["log_m"].items()}
-        self.counts = {str(k): int(v) for k, v in state["counts"].items()}
+
+        def counter(key: str, name: str, default: int) -> Tensor:
+            value = state.get(key, {}).get(name, default)
+            device = self.log_m[name].device
+            return torch.as_tensor(value, dtype=torch.int64).to(device).clone()
+
+        self.counts = {n: counter("counts", n, 0) for n in self.log_m}
+        self.dropped = {n: counter("dropped", n, 0) for n in self.log_m}
+        self.last_dropped = {n: counter("last_dropped", n, -1) for n in self.log_m}

@@ -23,13 +23,17 @@ from contextlib import nullcontext
 
 import torch
 from torch import Tensor, nn
+from torch.autograd import forward_ad
 from torch.func import jvp
 
+from .connectivity import CutFinder, cut_error, disconnected_output_error, reaches
 from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
     OutputFn,
+    all_finite,
     as_output_tensor,
+    check_inputs,
     evaluation_point,
     model_forward,
     substituted,
@@ -94,6 +98,11 @@ def exact(
     Returns:
         Tensor name -> float64 scalar FSLR.
 
+    Raises:
+        ValueError: bad names or shapes, NaN or Inf in ``delta``, the inputs or the output,
+            an empty batch, or a forward that cuts measured tensors out of the graph
+            (:mod:`fslr_func.connectivity`): their FSLR would silently read 0.
+
     Example:
         >>> model = torch.nn.Linear(3, 2, bias=False)
         >>> x = torch.eye(3)
@@ -103,10 +112,12 @@ def exact(
     """
     check_forward_seed(forward_seed)
     tensors, point = evaluation_point(model, delta, params)
+    check_inputs(inputs)
 
     result = {}
     use_jvp = True
     last_state: list[dict[str, Tensor]] = []
+    depends: dict[str, bool] = {}
 
     def backward_context() -> contextlib.AbstractContextManager[None]:
         return substituted(model, last_state[0])
@@ -116,8 +127,17 @@ def exact(
         def flat_output(w: Tensor, name: str = name) -> Tensor:
             state = {**point, **tensors.constants(), name: w}
             last_state[:] = [state]
-            out = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
-            return as_output_tensor(out, output_fn).reshape(-1)
+            with CutFinder({name: w}) as cuts:
+                raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
+                out = as_output_tensor(raw, output_fn).reshape(-1)
+            if not depends:
+                _check_output(out)
+            # Under jvp a dependent output carries a tangent; under autograd, a graph to w.
+            dual = forward_ad.unpack_dual(out).tangent  # type: ignore[no-untyped-call]
+            depends[name] = dual is not None or reaches(out, w)
+            if not depends[name] and name in cuts.used_without_grad:
+                raise cut_error([name])
+            return out
 
         primal, direction = point[name], d.to(point[name].dtype)
         if use_jvp:
@@ -137,4 +157,17 @@ def exact(
         else:
             tangent = _autograd_jvp(flat_output, primal, direction, backward_context)
         result[name] = tangent.to(torch.float64).square().mean().sqrt()
+    if not any(depends.values()):
+        raise disconnected_output_error()
     return result
+
+
+def _check_output(out: Tensor) -> None:
+    """Refuse an empty output or one with NaN or Inf entries."""
+    if out.numel() == 0:
+        raise ValueError("the model output is empty: nothing to measure; is the batch empty?")
+    if not all_finite(out):
+        raise ValueError(
+            "the model output has NaN or Inf entries on this batch (its inputs are finite): "
+            "the FSLR is undefined there; check the weights or use another batch"
+        )

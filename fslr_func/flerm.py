@@ -48,10 +48,11 @@ hyperparameters with the FLeRM rate) and put back when the block exits. Optimise
 parameter and is unaffected; outside the block the optimiser, its ``state_dict`` and any
 ``torch.optim.lr_scheduler`` scheduler see your own groups, so a scheduler never fights FLeRM.
 
-Schedules: ``scheduler=None``: :math:`\mathrm{sched}(t)` is the base run's recorded ratio
-``base.sched_at(t)`` (the paper's cosine-annealing appendix). ``scheduler=`` a scheduler of the
-scaled run's optimiser: :math:`\mathrm{sched}(t)` is that scheduler's ratio, per param group,
-``group["lr"] / group["initial_lr"]``.
+Schedules: ``scheduler=None``: :math:`\mathrm{sched}(t)` is the base run's ratio
+``base.schedule_at(t)`` (the paper's cosine-annealing appendix): recorded at every step by the
+:class:`~fslr_func.recorder.Recorder`, interpolated for older records, never a staircase.
+``scheduler=`` a scheduler of the scaled run's optimiser: :math:`\mathrm{sched}(t)` is that
+scheduler's ratio, per param group, ``group["lr"] / group["initial_lr"]``.
 
 Example:
     >>> import torch, fslr_func as ff
@@ -81,6 +82,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import hashlib
+import json
 import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -91,15 +94,19 @@ import torch
 from torch import Tensor
 
 from . import policies
+from .control_options import check_log_fn, check_scheduler, check_state, optimizers_of
 from .functional import Inputs
+from .names import recorded_names
 from .probe_schedule import ProbeFeed, ProbePlan
 from .record import FSLRRecord, grouping_meta
 from .record_meta import is_learning_rate
+from .recorder import LogFn
+from .step_hooks import StepHooks
 from .transform import FSLRModule
 
 __all__ = ["FLeRM", "SetPoint"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 Mode = Literal["static", "periodic"]
 ParamGroup = dict[str, Any]
 
@@ -128,16 +135,26 @@ class SetPoint:
 class FLeRM:
     r"""Sets per-tensor learning rates of a scaled model so its FSLRs match a base record.
 
-    Use ``with flerm.step(): optimizer.step()`` on *every* training step, with nothing else in
-    the block (at a set point the step is re-applied by calling ``optimizer.step()`` again, with
-    the same gradients). Call ``scheduler.step()`` after the block, as usual.
+    Either attach it once, ``flerm.attach()`` (the optimiser's step hooks: every
+    ``optimizer.step()`` from then on, in any loop or framework), or use ``with flerm.step():
+    optimizer.step()`` on *every* training step, with nothing else in the block (at a set point
+    the step is re-applied by calling ``optimizer.step()`` again, with the same gradients).
+    Call ``scheduler.step()`` after the step, as usual.
+
+    A set point at which every rate is 0 (a warm-up from 0) or at which no parameter changed (a
+    step skipped by a ``GradScaler``) waits for the next step, with a note the first time.
+    Several optimisers over one model (Muon on the matrices, AdamW on the rest): one FLeRM per
+    optimiser from the same base record, each setting the rates of the tensors its optimiser
+    holds. Param groups added with ``add_param_group`` are adopted at the next step.
 
     Args:
         fm: the wrapped scaled model (:func:`fslr_func.with_fslr`); its estimator and grouping
             must be the base record's.
-        optimizer: any ``torch.optim`` optimiser over ``fm``'s parameters, any param groups
-            (SGD, Adam, AdamW, Adagrad, Adamax, RMSprop, sign-SGD...: any optimiser whose step
-            only reads the gradients and its per-parameter state).
+        optimizer: any ``torch.optim`` optimiser over (some of) ``fm``'s parameters, any param
+            groups (SGD, Adam, AdamW, Adagrad, Adamax, RMSprop, sign-SGD...: any optimiser
+            whose step only reads the gradients and its per-parameter state; not LBFGS, which
+            allows one param group and needs a closure); ``accelerate``'s and Lightning's
+            wrappers are unwrapped.
         base: the base run's :class:`~fslr_func.record.FSLRRecord` (mean over seeds or not);
             ``base.meta["base_lr"]`` is :math:`\eta_0`; ``base.lrs`` (if recorded) gives each
             base tensor's own rate :math:`\eta_{0,b}`.
@@ -156,6 +173,8 @@ class FLeRM:
             record's); built before or after FLeRM.
         min_fslr: FSLRs or targets ``<= min_fslr`` count as zero: the tensor keeps its current
             rate (one warning per tensor).
+        log_fn: called after every step as ``log_fn(step, {"flerm_lr/<tensor>": rate, ...})``,
+            with ``fslr/<tensor>`` (the scaled model's FSLRs) added at set points.
 
     Attributes:
         names: the tensors FLeRM sets, in ``named_parameters()`` order.
@@ -166,10 +185,11 @@ class FLeRM:
         lr0: :math:`\eta_0`.
 
     Raises:
+        TypeError: ``fm``, ``optimizer``, ``base``, ``scheduler`` or ``log_fn`` of the wrong kind.
         ValueError: for a base record of another estimator, grouping (callables compared by
             qualified name) or architecture (tensors named), an empty record, one without a
             positive ``base_lr``, one with ``lrs`` and a zero schedule ratio, parameters in the
-            optimiser that are not ``fm``'s, or invalid options.
+            optimiser that are not ``fm``'s, an LBFGS optimiser, or invalid options.
     """
 
     def __init__(
@@ -186,18 +206,36 @@ class FLeRM:
         start_step: int = 0,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         min_fslr: float = 1e-12,
+        log_fn: LogFn | None = None,
     ) -> None:
+        if not isinstance(fm, FSLRModule):
+            raise TypeError(f"fm must be a with_fslr(model) wrapper, got {type(fm).__name__}")
+        if not isinstance(base, FSLRRecord):
+            raise TypeError(
+                f"base must be an FSLRRecord (FSLRRecord.load(path)), got {type(base).__name__}"
+            )
         if mode not in ("static", "periodic"):
             raise ValueError(f"mode must be 'static' or 'periodic', got {mode!r}")
-        if not (math.isfinite(min_fslr) and min_fslr >= 0):
+        if not (isinstance(min_fslr, (int, float)) and math.isfinite(min_fslr) and min_fslr >= 0):
             raise ValueError(f"min_fslr must be a finite number >= 0, got {min_fslr!r}")
-        if scheduler is not None and scheduler.optimizer is not optimizer:
-            raise ValueError("scheduler must be a scheduler of this optimizer")
+        if not isinstance(probe_batches, Iterable):
+            raise TypeError(
+                "probe_batches must be an iterable of probe inputs (a DataLoader, a list, a "
+                f"generator), got {type(probe_batches).__name__}"
+            )
+        (self.optimizer,) = optimizers_of(optimizer)
+        if isinstance(self.optimizer, torch.optim.LBFGS):
+            raise ValueError(
+                "FLeRM cannot drive LBFGS: it sets per-tensor rates through one param group per "
+                "tensor and re-applies steps without a closure, and LBFGS allows one param group "
+                "and needs a closure; use a first-order optimiser (SGD, Adam, AdamW...)"
+            )
         self.fm = fm
-        self.optimizer = optimizer
         self.base = base
-        self.scheduler = scheduler
+        self.scheduler = check_scheduler(scheduler, [self.optimizer])
+        self.log_fn = check_log_fn(log_fn)
         self.min_fslr = float(min_fslr)
+        ProbePlan.of(warmup_samples, fm.samples, every, start_step)  # validates every, always
         self.plan = ProbePlan.of(
             warmup_samples, fm.samples, every if mode == "periodic" else None, start_step
         )
@@ -205,22 +243,46 @@ class FLeRM:
         self._policy = policies.resolve(policy)
         self._params = dict(fm.module.named_parameters())
         self._name_of = {id(p): n for n, p in self._params.items()}
-        held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        foreign = sum(1 for i in held if i not in self._name_of)
-        if foreign:
-            raise ValueError(
-                f"the optimizer holds {foreign} parameter(s) that are not the wrapped model's: "
-                "FLeRM sets the rates of fm's parameters only; build the optimizer from "
-                "fm.parameters()"
-            )
-        self.names = [n for n, p in self._params.items() if p.requires_grad and id(p) in held]
+        self.names: list[str] = []
+        # policies see bare names on both sides (fslr_func.names): the scaled model's without
+        # its wrappers' prefixes, the record's read by recorded_names
+        prefix = fm.name_prefix
+        self._bare = {n: n.removeprefix(prefix) for n in self._params}
+        self._base_names = recorded_names(base.names, self._bare.values())
+        self._adopt_groups()
         self._check_base()
         self.lr0 = float(base.meta["base_lr"])
         self.ratios: dict[str, float] = {}
         self.history: list[SetPoint] = []
         self.t = 0
+        self._owed = 0
         self._warned: set[str] = set()
+        base_json = json.dumps(base.to_dict(), sort_keys=True).encode()
+        self._config = {
+            "mode": mode,
+            "every": every,
+            "warmup_samples": warmup_samples,
+            "start_step": start_step,
+            "policy": getattr(self._policy, "__qualname__", repr(self._policy)),
+            "min_fslr": self.min_fslr,
+            "scheduler": None if scheduler is None else type(self.scheduler).__name__,
+            "base": hashlib.sha256(base_json).hexdigest()[:16],
+        }
         self._targets(start_step)  # fail now, not at the set point, on a mismatched record
+
+    def _adopt_groups(self) -> None:
+        """Take up the trainable tensors the optimiser holds (again after ``add_param_group``)."""
+        held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        foreign = sum(1 for i in held if i not in self._name_of)
+        if foreign:
+            raise ValueError(
+                f"the optimizer holds {foreign} parameter(s) that are not the wrapped model's: "
+                "FLeRM sets the rates of fm's parameters only; build the optimizer (and "
+                "add_param_group) from fm.parameters()"
+            )
+        names = [n for n, p in self._params.items() if p.requires_grad and id(p) in held]
+        if names != self.names:
+            self.names = names + [n for n in self.names if n not in names]
 
     # ------------------------------------------------------------------ validation
 
@@ -260,11 +322,11 @@ class FLeRM:
                 "with_fslr(..., grouping=...) or re-record the base"
             )
         if self._policy is policies.identity:
-            shapes = base.shapes
+            shapes = {self._base_names.get(n, n): s for n, s in base.shapes.items()}
             bad = [
-                f"{n!r}: base {list(shapes[n])} vs scaled {list(self._params[n].shape)}"
+                f"{n!r}: base {list(shapes[b])} vs scaled {list(self._params[n].shape)}"
                 for n in self.names
-                if n in shapes and len(shapes[n]) != self._params[n].dim()
+                if (b := self._bare[n]) in shapes and len(shapes[b]) != self._params[n].dim()
             ]
             if bad:
                 raise ValueError(
@@ -284,18 +346,32 @@ class FLeRM:
         fslr = self.base.at(step)
         rates = self.base.lrs_at(step)
         sched = self.base.sched_at(step)
-        moved = {b: f * (rates[b] / self.lr0 / sched) if b in rates else f for b, f in fslr.items()}
-        return policies.apply(self._policy, moved, self.names, allow_zero=True)
+        moved = {
+            self._base_names[b]: f * (rates[b] / self.lr0 / sched) if b in rates else f
+            for b, f in fslr.items()
+        }
+        # the policy maps the whole model (an optimiser may hold a subset: Muon + AdamW); under
+        # the identity policy a base record of a subset is matched on that subset
+        bare = self._bare
+        model = [bare[n] for n, p in self._params.items() if p.requires_grad or n in self.names]
+        if self._policy is policies.identity:
+            held = {bare[n] for n in self.names}
+            model = [n for n in model if n in moved or n in held]
+        targets = policies.apply(self._policy, moved, model, allow_zero=True)
+        return {n: targets[bare[n]] for n in self.names}
 
     # ------------------------------------------------------------------ rates
 
     def _split(self, step: int) -> list[ParamGroup]:
         """One param group per tensor, each with its group's hyperparameters and FLeRM rate."""
-        base_ratio = 1.0 if self.scheduler is not None else self.base.sched_at(step)
+        base_ratio = 1.0 if self.scheduler is not None else self.base.schedule_at(step)
         groups = []
         for g in self.optimizer.param_groups:
             lr = float(g["lr"])
-            sched = lr / float(g["initial_lr"]) if self.scheduler is not None else base_ratio
+            # a group added after the scheduler has no initial_lr: the scheduler leaves it alone
+            initial = float(g.get("initial_lr", lr))
+            own = lr / initial if initial else 0.0
+            sched = own if self.scheduler is not None else base_ratio
             # one tensor per group gains nothing from multi-tensor kernels: where the optimiser
             # would pick them itself (foreach=None), skip that per-group check (~10 us each)
             single = {"foreach": False} if "foreach" in g and g["foreach"] is None else {}
@@ -315,6 +391,15 @@ class FLeRM:
 
     # ------------------------------------------------------------------ the step
 
+    def attach(self) -> StepHooks:
+        """Drive every ``optimizer.step()`` from now on, through the optimiser's step hooks.
+
+        Returns:
+            The :class:`~fslr_func.step_hooks.StepHooks`; ``.detach()`` (or a ``with`` block
+            over it) removes them and puts your param groups back.
+        """
+        return StepHooks(self.step, [self.optimizer])
+
     @contextlib.contextmanager
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
         """Context manager around one ``optimizer.step()``: FLeRM rates, set points.
@@ -326,37 +411,73 @@ class FLeRM:
         Raises:
             ValueError: another optimiser than the one FLeRM was built with.
         """
-        if optimizer is not None and optimizer is not self.optimizer:
+        if optimizer is not None and optimizers_of(optimizer) != [self.optimizer]:
             raise ValueError(
                 "FLeRM.step(optimizer) got another optimiser than the one FLeRM was built "
                 "with: FLeRM sets the rates of that one only"
             )
+        self._adopt_groups()
         opt = self.optimizer
         own = opt.param_groups
-        n = self.plan.probes_at(self.t)
-        opt.param_groups = self._split(self.t)
+        n = max(self.plan.probes_at(self.t), self._owed)
+        groups = self._split(self.t)
+        if n and not any(g["lr"] for g in groups if g["params"][0].requires_grad):
+            self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
+            n = 0
+        point = None
+        opt.param_groups = groups
         try:
             if n == 0:
                 yield
             else:
                 saved = _copy_state(opt)
-                with self.fm.measure(opt, self._feed.take(n)) as m:
+                with self.fm.measure(opt, self._feed.take(n), step=self.t) as m:
                     yield
-                opt.param_groups = own  # the set point reads the schedule from your groups
-                point = self._set_point(self.t, m.fslr)
-                with torch.no_grad():
-                    for name, w in m.before.items():
-                        self._params[name].copy_(w)
-                opt.state.clear()
-                opt.state.update(saved)
-                opt.param_groups = self._split(self.t)
-                opt.step()
-                self.history.append(point)
+                reading = m.read()  # the set point's one synchronisation
+                if reading.moved:
+                    opt.param_groups = own  # the set point reads the schedule from your groups
+                    # Tensors whose every probe was left out (not finite) are held.
+                    measured = {**reading.values, **dict.fromkeys(reading.left_out, math.nan)}
+                    point = self._set_point(self.t, measured)
+                    self._reapply(m.before, saved)
+                else:
+                    self._defer(n, "no parameter changed (a step skipped by a GradScaler?)")
         finally:
             opt.param_groups = own
+        if point is not None:
+            self._owed = 0
+            self.history.append(point)
+        if self.log_fn is not None:
+            scalars = {f"flerm_lr/{k}": v for k, v in self._rates(groups).items()}
+            if point is not None:
+                scalars.update({f"flerm_lr/{k}": v for k, v in point.lrs.items()})
+                scalars.update({f"fslr/{k}": v for k, v in point.fslr.items()})
+            self.log_fn(self.t, scalars)
         self.t += 1
 
-    def _set_point(self, step: int, fslr: Mapping[str, Tensor]) -> SetPoint:
+    def _reapply(self, before: Mapping[str, Tensor], saved: dict[Any, dict[str, Any]]) -> None:
+        """Step ``t`` again from the weights and optimiser state before it, at the new rates."""
+        opt = self.optimizer
+        with torch.no_grad():
+            for name, w in before.items():
+                self._params[name].copy_(w)
+        opt.state.clear()
+        opt.state.update(saved)
+        opt.param_groups = self._split(self.t)
+        opt.step()
+
+    def _defer(self, n: int, why: str) -> None:
+        self._owed = n
+        if why not in self._warned:
+            self._warned.add(why)
+            warnings.warn(
+                f"FLeRM: the set point at step {self.t} waits: {why}; it is taken at the next "
+                "step that changes the weights",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+
+    def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         targets = self._targets(step)
         measured = {n: float(fslr[n]) if n in fslr else 0.0 for n in self.names}
         zero, nonfinite = [], []
@@ -364,7 +485,9 @@ class FLeRM:
             f, target = measured[n], targets[n]
             usable = math.isfinite(f) and f > self.min_fslr and target > self.min_fslr
             ratio = target / f if usable else 0.0
-            if not (math.isfinite(f) and math.isfinite(ratio)):
+            # a rate past sqrt(dtype max) overflows inside the optimiser (a 1e300 base FSLR)
+            safe = self.lr0 * ratio <= torch.finfo(self._params[n].dtype).max ** 0.5
+            if not (math.isfinite(f) and math.isfinite(ratio) and safe):
                 nonfinite.append(n)
             elif ratio == 0.0:
                 zero.append(n)
@@ -379,8 +502,10 @@ class FLeRM:
             )
         if nonfinite:
             warnings.warn(
-                f"FLeRM step {step}: non-finite FSLR estimate or rate for {nonfinite[:10]}; "
-                "they keep their previous learning rate",
+                f"FLeRM step {step}: no finite FSLR estimate or rate, or a rate too large for "
+                f"the parameter's dtype, for {nonfinite[:10]} (every probe of this set point "
+                "was left out as not finite, the estimate overflowed, or the base record's "
+                "FSLR is absurd); they keep their previous learning rate",
                 RuntimeWarning,
                 stacklevel=4,
             )
@@ -408,28 +533,37 @@ class FLeRM:
         """Ratios, history, step and probe-batch count (save with model, optimiser, ``fm``)."""
         return {
             "version": _STATE_VERSION,
+            "config": dict(self._config),
             "names": list(self.names),
             "t": self.t,
+            "owed": self._owed,
             "ratios": dict(self.ratios),
             "history": [asdict(p) for p in self.history],
             "warned": sorted(self._warned),
             "probes_used": self._feed.used,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
         """Restore :meth:`state_dict`; the probe iterable is fast-forwarded past used batches.
 
+        Args:
+            state: what :meth:`state_dict` returned.
+            strict: refuse a state saved with other options (``mode``, ``every``,
+                ``start_step``, ``warmup_samples``, ``policy``, ``min_fslr``, ``scheduler``
+                or another base record).
+
         Raises:
-            ValueError: for another version's state or another model's tensors.
+            ValueError: for another version's state, another model's tensors or (``strict``)
+                other options, the first differing one named.
         """
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError("this FLeRM state was saved by an incompatible fslr_func version")
+        check_state(state, "FLeRM", (1, _STATE_VERSION), self._config, strict)
         if list(state["names"]) != self.names:
             raise ValueError(
                 "this FLeRM state is for other tensors: "
                 f"{sorted(set(state['names']) ^ set(self.names))[:10]} differ"
             )
         self.t = int(state["t"])
+        self._owed = int(state.get("owed", 0))
         self.ratios = {str(k): float(v) for k, v in state["ratios"].items()}
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
         self._warned = set(state["warned"])

@@ -19,8 +19,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
+from torch.utils._pytree import tree_flatten
 
 from .estimator import ReadoutRole
+from .names import unwrapped
 
 Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
 OutputFn = Callable[[Any], Tensor]
@@ -128,15 +130,7 @@ def compiled_inner(model: nn.Module) -> tuple[nn.Module, str]:
     optimiser and the user see) but run the original module eagerly: torch.func transforms
     of a compiled forward would recompile under every transform, or not trace at all.
     """
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    compiled = getattr(eval_frame, "OptimizedModule", None)
-    prefix = ""
-    while compiled is not None and isinstance(model, compiled):
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            break
-        model, prefix = inner, prefix + "_orig_mod."
-    return model, prefix
+    return unwrapped(model, data_parallel=False)
 
 
 @contextlib.contextmanager
@@ -155,14 +149,18 @@ def eager_submodules() -> Iterator[None]:
 
 
 def check_delta(
-    delta: Mapping[str, Tensor], tensors: ModuleTensors, *, what: str = "delta"
+    delta: Mapping[str, Tensor],
+    tensors: ModuleTensors,
+    *,
+    what: str = "delta",
+    finite: bool = True,
 ) -> None:
-    """Check names, shapes and finiteness of an update dict against a module's tensors.
+    """Check names, shapes and (with ``finite``) finiteness of an update dict.
 
     Raises:
         ValueError: a model without trainable parameters; empty ``delta``; unknown or
             misspelled names (with close matches); names of frozen parameters; shape
-            mismatches; NaN or Inf entries.
+            mismatches; zero-size tensors; NaN or Inf entries.
     """
     if not isinstance(delta, Mapping):
         raise TypeError(
@@ -206,7 +204,15 @@ def check_delta(
     ]
     if bad_shape:
         raise ValueError(f"{what} shapes differ from the parameters':\n" + "\n".join(bad_shape))
-    non_finite = [n for n, d in delta.items() if not bool(torch.isfinite(d).all())]
+    empty = [n for n, d in delta.items() if d.numel() == 0]
+    if empty:
+        raise ValueError(
+            f"{what} holds zero-size tensors {empty}: an empty tensor has no function-space "
+            f"learning rate; leave it out (or freeze it with requires_grad_(False))"
+        )
+    if not finite:
+        return
+    non_finite = [n for n, d in delta.items() if not all_finite(d)]
     if non_finite:
         raise ValueError(
             f"{what} has NaN or Inf entries in {non_finite}: the update is not finite, so its "
@@ -214,17 +220,76 @@ def check_delta(
         )
 
 
+def all_finite(t: Tensor) -> bool:
+    """Whether every entry of ``t`` is finite, without an elementwise mask of ``t``'s size.
+
+    A NaN or Inf entry makes the sum NaN or Inf, so a finite sum proves every entry finite;
+    only when the sum is not (a non-finite entry, or finite entries whose sum overflows) is
+    the elementwise test run, whose temporaries cost several times ``t`` (0.9 GB for a
+    language model's 131M logits). One or two host reads.
+
+    Example:
+        >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
+        (True, False)
+        >>> all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the entries do not
+        True
+    """
+    if not t.is_floating_point():
+        return True
+    return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
+
+
+def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
+    """Check the probe batch's tensors: none empty, and (with ``finite``) no NaN or Inf.
+
+    Raises:
+        ValueError: an input tensor with no elements (an empty batch), or a floating input
+            with NaN or Inf entries, named by its position or keyword.
+    """
+    args, kwargs = split_inputs(inputs)
+    named = [(f"positional input {i}", a) for i, a in enumerate(args)]
+    named += [(f"input {k}=", v) for k, v in kwargs.items()]
+    for where, value in named:
+        for leaf in tree_flatten(value)[0]:
+            if not isinstance(leaf, Tensor):
+                continue
+            if leaf.numel() == 0 and leaf.dim() > 0:
+                raise ValueError(
+                    f"the probe batch is empty: {where} has shape {tuple(leaf.shape)}; pass a "
+                    f"batch with at least one example"
+                )
+            if finite and leaf.is_floating_point() and not all_finite(leaf):
+                raise ValueError(
+                    f"the probe batch has NaN or Inf entries in {where}: the FSLR is "
+                    f"undefined there; clean or skip the batch"
+                )
+
+
+def is_dtensor(t: object) -> bool:
+    """Whether ``t`` is a ``torch.distributed.tensor.DTensor`` (an FSDP2 shard, for one).
+
+    Nothing is imported: no DTensor can exist before ``torch.distributed.tensor`` is.
+
+    Example:
+        >>> is_dtensor(torch.zeros(2))
+        False
+    """
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    return dtensor is not None and isinstance(t, dtensor)
+
+
 def check_single_process(model: nn.Module) -> None:
     """Refuse models whose one-process probe would silently measure the wrong thing.
 
     A ``DistributedDataParallel`` module holds only this rank's shard of each batch, so a
     one-process probe of it measures the shard, not the batch; an FSDP2 module
-    (``fully_shard``) holds DTensor shards of its parameters, which ``functional_call`` cannot
-    differentiate as a whole.
+    (``fully_shard``) holds DTensor shards of its parameters, under forward hooks that put
+    FSDP's own unsharded parameters in place of the ones the probe substitutes (every
+    gradient, and so every FSLR, would be 0). Both are probed by :mod:`fslr_func.distributed`.
 
     Raises:
-        ValueError: ``model`` is a ``DistributedDataParallel`` module.
-        NotImplementedError: ``model`` has DTensor (FSDP2-sharded) parameters.
+        ValueError: ``model`` is a ``DistributedDataParallel`` module or has DTensor
+            (FSDP2-sharded) parameters.
     """
     if isinstance(model, torch.nn.parallel.DistributedDataParallel):
         raise ValueError(
@@ -233,34 +298,39 @@ def check_single_process(model: nn.Module) -> None:
             "every rank (the global batch's FSLRs), ff.with_fslr(ddp_model) in training, or "
             "pass model.module to measure this rank's shard on purpose"
         )
-    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
-    if dtensor is not None and any(isinstance(p, dtensor) for p in model.parameters()):
-        raise NotImplementedError(
-            "the model's parameters are DTensors (sharded with FSDP2 fully_shard): probing "
-            "sharded parameters is not supported yet. Probe an unsharded copy of the model, "
-            "or record the base run without FSDP"
+    if any(is_dtensor(p) for p in model.parameters()):
+        raise ValueError(
+            "the model's parameters are DTensors (sharded with FSDP2 fully_shard): a "
+            "one-process probe cannot see the full parameters. Use "
+            "fslr_func.distributed.estimate/probe on every rank, or ff.with_fslr(model) in "
+            "training (every rank gets the global batch's FSLRs)"
         )
 
 
 def evaluation_point(
-    model: nn.Module, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
+    model: nn.Module,
+    delta: Mapping[str, Tensor],
+    params: Mapping[str, Tensor] | None,
+    *,
+    finite: bool = True,
 ) -> tuple[ModuleTensors, dict[str, Tensor]]:
     """The module's tensors and the point to differentiate at, names checked.
 
     The point is every trainable parameter, with ``params`` (e.g. the weights before an
-    optimiser step) substituted where given.
+    optimiser step) substituted where given. ``finite=False`` skips the check for NaN and
+    Inf in ``delta`` and ``params``, which reads them on the host (a synchronisation).
 
     Raises:
         ValueError: a name in ``delta`` or ``params`` that is not a trainable parameter, or a
-            shape that differs from the parameter's; a DDP module (:func:`check_single_process`).
-        NotImplementedError: FSDP2-sharded parameters.
+            shape that differs from the parameter's; a DDP or FSDP2 module
+            (:func:`check_single_process`).
     """
     check_single_process(model)
     tensors = ModuleTensors.of(model)
-    check_delta(delta, tensors)
+    check_delta(delta, tensors, finite=finite)
     point = dict(tensors.trainable)
     if params is not None:
-        check_delta(params, tensors, what="params")
+        check_delta(params, tensors, what="params", finite=finite)
         point.update({n: p.detach() for n, p in params.items()})
     return tensors, point
 

@@ -229,6 +229,7 @@ def run_probe(
     generator: torch.Generator | None = None,
     params: Mapping[str, Tensor] | None = None,
     reduction: GradientReduction | None = None,
+    strict: bool = True,
 ) -> ProbeResult:
     """The one sampling loop behind every probe: :func:`probe` with validated options.
 
@@ -242,11 +243,15 @@ def run_probe(
         reduction: combines the per-sample gradients of several processes
             (:class:`GradientReduction`); ``None``: one process, and each sample is reduced to
             its statistics inside the mapped function, so only statistics leave it.
+        strict: refuse NaN or Inf in ``delta``, the inputs and the output with an error
+            (one-shot estimates). ``False`` (the wrapper, in training) reads nothing on the
+            host, so the probe never synchronises; statistics that are not finite come out
+            as NaN or Inf, for the caller to leave out.
 
     Returns:
         A :class:`ProbeResult`.
     """
-    setup = prepare_vjp(model, inputs, delta, options, params=params)
+    setup = prepare_vjp(model, inputs, delta, options, params=params, strict=strict)
     local = setup.num_outputs
     where = (
         OmegaSlice(generator, local, 0, local)

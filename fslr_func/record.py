@@ -33,11 +33,13 @@ from __future__ import annotations
 
 import bisect
 import copy
+import csv
+import io
 import json
 import math
 import numbers
 import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
@@ -286,8 +288,9 @@ class FSLRRecord:
         """Average records of the same run over seeds (the paper averages 8 seeds).
 
         ``fslr``, ``lrs`` and ``sched`` are arithmetic means, step by step:
-        ``FSLR_W(t) = (1/S) sum_s FSLR_W^(s)(t)``. ``meta`` is the first record's, with
-        ``seed`` the list of all seeds (lists of seeds of earlier means are flattened).
+        ``FSLR_W(t) = (1/S) sum_s FSLR_W^(s)(t)``, computed in log space (:func:`_mean`), so
+        the mean of any finite values is finite. ``meta`` is the first record's, with ``seed``
+        the list of all seeds (lists of seeds of earlier means are flattened).
 
         Raises:
             ValueError: if there are no records, or they differ in tensor names, steps, shapes,
@@ -339,14 +342,9 @@ class FSLRRecord:
                     f"{where}: different base_lr ({lr0} vs {lrk}): average seeds of one "
                     "learning rate only"
                 )
-        n = len(recs)
 
         def avg(columns: list[list[float]]) -> list[float]:
-            # equal values (typical for lrs and sched) stay exact; otherwise fsum / n
-            return [
-                vals[0] if vals.count(vals[0]) == n else math.fsum(vals) / n
-                for vals in zip(*columns, strict=True)
-            ]
+            return [_mean(vals) for vals in zip(*columns, strict=True)]
 
         seeds: list[Any] = []
         for rec in recs:
@@ -454,6 +452,103 @@ class FSLRRecord:
                 "been cut short or copied incompletely: re-record it or restore it from a backup"
             ) from err
         return cls.from_dict(data, source=repr(path))
+
+    # ------------------------------------------------------------------ schedule and export
+
+    def schedule_at(self, step: int) -> float:
+        """The base run's schedule ratio at any ``step``, continuous (never a staircase).
+
+        A :class:`~fslr_func.recorder.Recorder` stores the ratio at every training step in
+        ``meta["sched_per_step"]`` (index = step): that value, exactly. Between and beyond
+        what is stored, ``sched`` is interpolated linearly between recorded rows and held
+        after the last one.
+
+        Example:
+            >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]}, sched=[1.0, 0.5])
+            >>> rec.schedule_at(4), rec.schedule_at(20)
+            (0.8, 0.5)
+            >>> rec.meta["sched_per_step"] = [0.0, 0.25]
+            >>> rec.schedule_at(1)
+            0.25
+        """
+        per_step = self.meta.get("sched_per_step") or []
+        if 0 <= step < len(per_step):
+            return float(per_step[step])
+        i = self._row(step)
+        if step <= self.steps[i] or i + 1 == len(self.steps):
+            return self.sched[i]
+        t0, t1 = self.steps[i], self.steps[i + 1]
+        w = (step - t0) / (t1 - t0)
+        return (1 - w) * self.sched[i] + w * self.sched[i + 1]
+
+    def to_rows(self) -> list[dict[str, float]]:
+        """One flat dict per recorded step: ``step``, ``sched``, ``fslr/<name>``, ``lr/<name>``.
+
+        Example:
+            >>> FSLRRecord(steps=[0], fslr={"w": [0.5]}, lrs={"w": [0.1]}).to_rows()
+            [{'step': 0, 'sched': 1.0, 'fslr/w': 0.5, 'lr/w': 0.1}]
+        """
+        return [
+            {
+                "step": step,
+                "sched": self.sched[i],
+                **{f"fslr/{n}": v[i] for n, v in self.fslr.items()},
+                **{f"lr/{n}": v[i] for n, v in self.lrs.items()},
+            }
+            for i, step in enumerate(self.steps)
+        ]
+
+    def to_csv(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`to_rows` as CSV (a header row, then one row per step), atomically.
+
+        Example:
+            >>> import os, tempfile
+            >>> with tempfile.TemporaryDirectory() as d:
+            ...     FSLRRecord(steps=[0], fslr={"w": [0.5]}).to_csv(os.path.join(d, "r.csv"))
+            ...     print(open(os.path.join(d, "r.csv")).read().split())
+            ['step,sched,fslr/w', '0,1.0,0.5']
+        """
+        rows = self.to_rows()
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["step", "sched"])
+        writer.writeheader()
+        writer.writerows(rows)
+        atomic_write_text(path, out.getvalue())
+
+    def to_pandas(self) -> Any:
+        """:meth:`to_rows` as a ``pandas.DataFrame`` indexed by ``step``.
+
+        Raises:
+            ImportError: pandas is not installed (``pip install pandas``).
+        """
+        try:
+            import pandas as pd
+        except ImportError as err:
+            raise ImportError(
+                "FSLRRecord.to_pandas needs pandas: pip install pandas (or use to_rows/to_csv)"
+            ) from err
+        return pd.DataFrame(self.to_rows()).set_index("step")
+
+
+def _mean(values: Sequence[float]) -> float:
+    r"""Arithmetic mean of finite values ``>= 0`` that cannot overflow.
+
+    The sum is taken in log space, ``log sum_i v_i = log m + log sum_i (v_i / m)`` with
+    ``m = max_i v_i`` (log-sum-exp), and the mean is ``m * ((1/n) sum_i v_i / m)``: every term
+    and partial sum is at most ``n``, so values near the float maximum average to a finite
+    number where ``math.fsum`` raises ``OverflowError``. Equal values (typical for ``lrs`` and
+    ``sched``) come back exactly.
+
+    Example:
+        >>> _mean([1.0, 3.0]), _mean([0.1, 0.1, 0.1]), _mean([0.0, 0.0])
+        (2.0, 0.1, 0.0)
+        >>> _mean([1.7e308, 1.5e308])
+        1.6e+308
+    """
+    if values.count(values[0]) == len(values):  # all zero included
+        return values[0]
+    m = max(values)
+    return m * (math.fsum(v / m for v in values) / len(values))
 
 
 def _check_names(have: Mapping[str, object], given: Mapping[str, object], what: str) -> None:

@@ -39,20 +39,26 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
+from .control_options import check_log_fn, check_scheduler, check_state, optimizers_of
 from .functional import Inputs
+from .names import unwrapped
 from .probe_schedule import ProbeFeed, ProbePlan
 from .record import FSLRRecord, grouping_meta, optimizer_meta
 from .record_meta import is_learning_rate
-from .transform import FSLRModule, Measurement
+from .step_hooks import StepHooks
+from .transform import FSLRModule, Measurement, param_lrs
 
-__all__ = ["Recorder", "schedule_ratio"]
+__all__ = ["LogFn", "Recorder", "schedule_ratio"]
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
+
+LogFn = Callable[[int, dict[str, float]], None]
+"""``log_fn(step, scalars)``: receives named scalars (``fslr/<tensor>``...) at a step."""
 
 
 def schedule_ratio(
@@ -75,13 +81,21 @@ def schedule_ratio(
 class Recorder:
     r"""Records a run's FSLRs into :attr:`record` from inside any training loop.
 
-    Use ``with recorder.step(): optimizer.step()`` on *every* training step (or
-    ``around_step=lambda t: recorder.step()`` with :func:`fslr_func.experiments.train`), with
-    the optimiser given at construction as for :class:`~fslr_func.flerm.FLeRM`; passing it to
-    each ``step(optimizer)`` instead works too. On a
-    probed step the block yields the :class:`~fslr_func.transform.Measurement` and a row
+    Either attach it to the optimiser once, ``recorder.attach()`` (step hooks: every
+    ``optimizer.step()`` from then on is covered, in any loop or framework), or wrap each
+    step, ``with recorder.step(): optimizer.step()`` (or ``around_step=lambda t:
+    recorder.step()`` with :func:`fslr_func.experiments.train`); passing the optimiser to
+    each ``step(optimizer)`` instead of at construction works too. On a probed step the block
+    yields the :class:`~fslr_func.transform.Measurement` and a row
     :math:`(t, \mathrm{FSLR}_W(t), \eta_W(t), \mathrm{sched}(t))` is appended to
-    :attr:`record`; on other steps it yields ``None`` and does nothing else.
+    :attr:`record`; on other steps it yields ``None``. The schedule ratio is stored at *every*
+    step (``record.meta["sched_per_step"]``), so FLeRM follows the base schedule exactly.
+
+    Steps that cannot be measured are waited out: a probed step at which every learning rate
+    is 0 (a warm-up from 0) or at which no parameter changed (a step skipped by a
+    ``GradScaler``) moves its probes to the next step, with a note the first time. A tensor
+    frozen, without a gradient or in a group at rate 0 at a probe keeps its previous estimate
+    in that row (0 if it never moved), with a note; the run goes on.
 
     Args:
         fm: the wrapped base model (:func:`fslr_func.with_fslr`).
@@ -89,14 +103,16 @@ class Recorder:
             keyword arguments per item), separate from the training batches: an endless
             iterator, or a re-iterable such as a ``DataLoader`` (cycled,
             :class:`~fslr_func.probe_schedule.ProbeFeed`).
-        optimizer: the optimiser whose steps are recorded; ``None``: given to each
-            :meth:`step` instead.
+        optimizer: the optimiser whose steps are recorded, or several stepped together
+            (Muon on the matrices, AdamW on the rest: one record of the whole model);
+            framework wrappers (``accelerate``, Lightning) are unwrapped. ``None``: given to
+            each :meth:`step` instead.
         warmup_samples: omega samples of the EMA warm-up at ``start_step``:
             ``ceil(warmup_samples / fm.samples)`` probes of that step's update on fresh batches.
         every: probe once every ``every`` steps after the warm-up; ``None``: warm-up only.
         start_step: first recorded step (LoRA: 5, when ``B`` has left zero).
         base_lr: ``lr_0`` stored in ``record.meta["base_lr"]``; default: the first param
-            group's ``initial_lr`` (set by schedulers) or ``lr`` at the first recorded step.
+            group's ``initial_lr`` (set by schedulers) or ``lr`` at the first step.
         scheduler: the run's ``torch.optim.lr_scheduler`` scheduler: ``sched(t)`` is its
             ``get_last_lr()[0] / base_lrs[0]``; without one, ``sched(t) = lr(t) / base_lr``
             for the first param group.
@@ -104,10 +120,16 @@ class Recorder:
             recorded ``estimator``, ``grouping`` (:func:`grouping_meta`), ``beta``,
             ``samples``, ``shapes``, ``model``, ``every``, ``warmup_samples`` and
             ``start_step``.
+        log_fn: called as ``log_fn(step, {"fslr/<tensor>": value, ...})`` after every
+            recorded row (TensorBoard: ``lambda t, s: writer.add_scalars("fslr", s, t)``).
 
     Attributes:
         record: the :class:`~fslr_func.record.FSLRRecord` being filled.
         t: index of the next training step.
+
+    Raises:
+        TypeError: ``fm``, an optimiser, ``scheduler`` or ``log_fn`` of the wrong kind.
+        ValueError: an invalid option (named).
     """
 
     def __init__(
@@ -115,23 +137,48 @@ class Recorder:
         fm: FSLRModule,
         probe_batches: Iterable[Inputs],
         *,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         warmup_samples: int = 40,
         every: int | None = 100,
         start_step: int = 0,
         base_lr: float | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         meta: Mapping[str, Any] | None = None,
+        log_fn: LogFn | None = None,
     ) -> None:
+        if not isinstance(fm, FSLRModule):
+            raise TypeError(f"fm must be a with_fslr(model) wrapper, got {type(fm).__name__}")
         if base_lr is not None and not is_learning_rate(base_lr):
             raise ValueError(f"base_lr must be None or a finite number > 0, got {base_lr!r}")
+        if not isinstance(probe_batches, Iterable):
+            raise TypeError(
+                "probe_batches must be an iterable of probe inputs (a DataLoader, a list, a "
+                f"generator), got {type(probe_batches).__name__}"
+            )
+        if meta is not None and not isinstance(meta, Mapping):
+            raise TypeError(f"meta must be a dict of JSON-able entries, got {type(meta).__name__}")
         self.fm = fm
-        self.optimizer = optimizer
+        self.optimizers = optimizers_of(optimizer)
         self.plan = ProbePlan.of(warmup_samples, fm.samples, every, start_step)
-        self.scheduler = scheduler
+        self.scheduler = check_scheduler(scheduler, self.optimizers)
+        self.log_fn = check_log_fn(log_fn)
         self._feed = ProbeFeed(probe_batches)
         self.t = 0
-        shapes = {n: list(p.shape) for n, p in fm.module.named_parameters() if p.requires_grad}
+        self._owed = 0
+        self._noted: set[str] = set()
+        self._config = {
+            "warmup_samples": warmup_samples,
+            "every": every,
+            "start_step": start_step,
+            "base_lr": base_lr,
+            "scheduler": None if scheduler is None else type(self.scheduler).__name__,
+        }
+        self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.names)
+        shapes = {
+            n.removeprefix(self._prefix): list(p.shape)
+            for n, p in fm.module.named_parameters()
+            if p.requires_grad
+        }
         self.record = FSLRRecord(
             meta={
                 "estimator": fm.estimator,
@@ -139,27 +186,47 @@ class Recorder:
                 "beta": fm.beta,
                 "samples": fm.samples,
                 "shapes": shapes,
-                "model": type(fm.module).__name__,
+                "model": type(unwrapped(fm.module)[0]).__name__,
                 "base_lr": base_lr,
-                "schedule": None if scheduler is None else type(scheduler).__name__,
+                "schedule": self._config["scheduler"],
                 "warmup_samples": warmup_samples,
                 "every": every,
                 "start_step": start_step,
+                "sched_per_step": [],
                 **(meta or {}),
             }
         )
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The (first) optimiser given at construction, or ``None``."""
+        return self.optimizers[0] if self.optimizers else None
 
     @property
     def probes_used(self) -> int:
         """Probe batches drawn so far."""
         return self._feed.used
 
+    def attach(self) -> StepHooks:
+        """Record every ``optimizer.step()`` from now on, through the optimiser's step hooks.
+
+        Returns:
+            The :class:`~fslr_func.step_hooks.StepHooks`; ``.detach()`` (or a ``with`` block
+            over it) removes them.
+
+        Raises:
+            ValueError: the Recorder was built without an optimiser.
+        """
+        if not self.optimizers:
+            raise ValueError("Recorder.attach() needs the optimiser: build it with optimizer=opt")
+        return StepHooks(self.step, self.optimizers)
+
     @contextlib.contextmanager
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Measurement | None]:
         """Context manager around one ``optimizer.step()``; records on probed steps.
 
         Args:
-            optimizer: the optimiser stepped in the block; default: the one given at
+            optimizer: the optimiser stepped in the block; default: the one(s) given at
                 construction (passing that same one is fine too).
 
         Raises:
@@ -169,42 +236,79 @@ class Recorder:
             The step's :class:`~fslr_func.transform.Measurement` (filled in on exit) on a
             probed step, else ``None``.
         """
-        optimizer = self._optimizer(optimizer)
-        n = self.plan.probes_at(self.t)
+        optimizers = self._optimizers(optimizer)
+        meta = self.record.meta
+        if meta["optimizer"] is None:
+            described = optimizer_meta(optimizers[0])
+            meta["optimizer"] = described["optimizer"]
+            meta["optimizer_hparams"] = described["optimizer_hparams"]
+            if meta["base_lr"] is None:
+                meta["base_lr"] = self._first_lr(described["base_lr"])
+        sched = schedule_ratio(optimizers[0], self.scheduler, float(meta["base_lr"]))
+        meta["sched_per_step"][self.t :] = [sched]
+        n = max(self.plan.probes_at(self.t), self._owed)
+        lrs = {k: lr for o in optimizers for k, lr in param_lrs(self.fm.module, o).items()}
+        if n and not any(lrs.values()):
+            self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
+            n = 0
         if n == 0:
             yield None
             self.t += 1
             return
-        meta = self.record.meta
-        if meta["optimizer"] is None:
-            described = optimizer_meta(optimizer)
-            meta["optimizer"] = described["optimizer"]
-            meta["optimizer_hparams"] = described["optimizer_hparams"]
-            if meta["base_lr"] is None:
-                meta["base_lr"] = described["base_lr"]
-        sched = schedule_ratio(optimizer, self.scheduler, float(meta["base_lr"]))
-        with self.fm.measure(optimizer, self._feed.take(n)) as m:
+        with self.fm.measure(optimizers, self._feed.take(n), step=self.t) as m:
             yield m
-        self._append(self.t, m, sched)
+        if m.moved:
+            self._owed = 0
+            self._append(self.t, m, lrs, sched)
+        else:
+            self._defer(n, "no parameter changed (a step skipped by a GradScaler?)")
         self.t += 1
 
-    def _optimizer(self, given: torch.optim.Optimizer | None) -> torch.optim.Optimizer:
-        if given is None:
-            given = self.optimizer
-        if given is None:
+    def _first_lr(self, lr: float | None) -> float:
+        if lr is None or not is_learning_rate(lr):
             raise ValueError(
-                "Recorder.step() needs the optimiser: build the Recorder with optimizer=opt "
-                "or call recorder.step(opt)"
+                f"the first param group's learning rate is {lr!r} at the first step and no "
+                "scheduler set its initial_lr: pass Recorder(..., base_lr=lr_0)"
             )
-        if self.optimizer is not None and given is not self.optimizer:
+        return lr
+
+    def _defer(self, n: int, why: str) -> None:
+        self._owed = n
+        self._note(
+            why,
+            f"Recorder: step {self.t} is not measured: {why}; its probes move to the next step "
+            "that changes the weights",
+        )
+
+    def _note(self, key: str, message: str) -> None:
+        if key not in self._noted:
+            self._noted.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=5)
+
+    def _optimizers(self, given: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+        if given is None:
+            if not self.optimizers:
+                raise ValueError(
+                    "Recorder.step() needs the optimiser: build the Recorder with optimizer=opt "
+                    "or call recorder.step(opt)"
+                )
+            return self.optimizers
+        (opt,) = optimizers_of(given)
+        if self.optimizers and opt not in self.optimizers:
             raise ValueError(
                 "Recorder.step(optimizer) got another optimiser than the one the Recorder was "
                 "built with: record one optimiser per Recorder"
             )
-        return given
+        return [opt]
 
-    def _append(self, step: int, m: Measurement, sched: float) -> None:
-        fslr = {n: float(v) for n, v in m.fslr.items() if n in m.lrs}
+    def _append(self, step: int, m: Measurement, lrs: Mapping[str, float], sched: float) -> None:
+        bare = self._prefix
+        lrs = {n.removeprefix(bare): lr for n, lr in lrs.items()}
+        names = self.record.names or list(lrs)
+        reading = m.read()  # the row's one synchronisation
+        values = {n.removeprefix(bare): v for n, v in reading.values.items()}
+        moved = [n.removeprefix(bare) for n in reading.moved]
+        fslr = {n: values.get(n, 0.0) for n in names}
         bad = [n for n, v in fslr.items() if not math.isfinite(v)]
         if bad:
             warnings.warn(
@@ -214,21 +318,48 @@ class Recorder:
                 stacklevel=4,
             )
             return
-        self.record.append(step, fslr, lrs=m.lrs, sched=sched)
+        still = [n for n in names if n not in moved]
+        if still:
+            self._note(
+                f"still {still}",
+                f"Recorder: step {step}: {still[:10]} did not move (frozen, no gradient or rate "
+                "0): their row keeps the previous estimate (0 if they never moved)",
+            )
+        new = [n for n in moved if n not in fslr]
+        if new:
+            self._note(
+                f"new {new}",
+                f"Recorder: step {step}: {new[:10]} were not trainable at the first recorded "
+                "step and are not in the record",
+            )
+        self.record.append(step, fslr, lrs={n: lrs.get(n, 0.0) for n in names}, sched=sched)
+        if self.log_fn is not None:
+            self.log_fn(step, {f"fslr/{n}": v for n, v in fslr.items()})
 
     def state_dict(self) -> dict[str, Any]:
-        """Step, record and probe-batch count, for checkpoints (with ``fm.state_dict()``)."""
+        """Step, record, options and probe-batch count, for checkpoints (with ``fm``'s)."""
         return {
             "version": _STATE_VERSION,
+            "config": dict(self._config),
             "t": self.t,
+            "owed": self._owed,
             "record": self.record.to_dict(),
             "probes_used": self._feed.used,
         }
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`; the probe iterable is fast-forwarded past used batches."""
-        if state.get("version") != _STATE_VERSION:
-            raise ValueError("this Recorder state was saved by an incompatible fslr_func version")
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore :meth:`state_dict`; the probe iterable is fast-forwarded past used batches.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+            strict: refuse a state saved by a Recorder with other options.
+
+        Raises:
+            ValueError: another version's state, or (``strict``) other options, named.
+        """
+        check_state(state, "Recorder", (1, _STATE_VERSION), self._config, strict)
         self.t = int(state["t"])
+        self._owed = int(state.get("owed", 0))
         self.record = FSLRRecord.from_dict(state["record"], source="the Recorder state")
+        self.record.meta.setdefault("sched_per_step", [])
         self._feed.skip(int(state["probes_used"]))

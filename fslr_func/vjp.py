@@ -32,12 +32,15 @@ import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
 
+from .connectivity import CutFinder, check_connected
 from .estimator import ReadoutRole, grouped_shape
 from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
     ReadoutFinder,
+    all_finite,
     as_output_tensor,
+    check_inputs,
     evaluation_point,
     model_forward,
     readout_roles,
@@ -195,6 +198,7 @@ def prepare_vjp(
     options: ProbeOptions,
     *,
     params: Mapping[str, Tensor] | None = None,
+    strict: bool = True,
 ) -> VjpSetup:
     """Check the arguments and run the model's forward once under a vjp.
 
@@ -203,9 +207,16 @@ def prepare_vjp(
     plain autograd when ``options.strategy="autograd"`` or when torch.func cannot trace the
     model and the strategy is ``"auto"`` or ``"timed"`` (one warning); ``"auto"`` then
     resolves to :func:`default_strategy`. The readout layer is detected during
-    this forward. Arguments are those of :func:`fslr_func.probe.run_probe`.
+    this forward, and a forward that cuts probed tensors out of the graph is refused
+    (:mod:`fslr_func.connectivity`). Arguments are those of :func:`fslr_func.probe.run_probe`.
+
+    Raises:
+        ValueError: bad names or shapes (:func:`~fslr_func.functional.evaluation_point`); a
+            zero-size input or output; probed tensors cut out of the graph; with ``strict``,
+            NaN or Inf in ``delta``, the inputs or the output.
     """
-    tensors, point = evaluation_point(model, delta, params)
+    tensors, point = evaluation_point(model, delta, params, finite=strict)
+    check_inputs(inputs, finite=strict)
     primals = {n: point[n] for n in delta}
     fixed = {n: t for n, t in point.items() if n not in delta}
     readout, strategy = options.readout, options.strategy
@@ -218,11 +229,13 @@ def prepare_vjp(
     def flat_output(p: dict[str, Tensor]) -> Tensor:
         state = {**fixed, **tensors.constants(), **p}
         last_state[:] = [state]
-        with finder if finder is not None else contextlib.nullcontext():
+        cuts = CutFinder(p)
+        with finder if finder is not None else contextlib.nullcontext(), cuts:
             raw = model_forward(
                 model, state, inputs, options.output_fn, forward_seed=options.forward_seed
             )
             out = as_output_tensor(raw, options.output_fn)
+        check_connected(out, cuts)
         if finder is not None:
             found.append(finder.find(out))
         out_shape.append(out.shape)
@@ -249,6 +262,16 @@ def prepare_vjp(
             )
         use = "autograd"
 
+    if out.numel() == 0:
+        raise ValueError(
+            f"the model output is empty (shape {tuple(out_shape[-1])}): nothing to probe; is "
+            f"the probe batch empty?"
+        )
+    if strict and not all_finite(out):
+        raise ValueError(
+            "the model output has NaN or Inf entries on this probe batch (its inputs are "
+            "finite): the FSLR is undefined there; check the weights or use another batch"
+        )
     module_name = found[0] if found else (readout if readout != "auto" else None)
     last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
     roles = readout_roles(model, module_name, primals, last_dim)

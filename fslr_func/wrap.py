@@ -1,8 +1,9 @@
-"""``with_fslr``: the one entry point that wraps a model, in one process or data-parallel.
+"""``with_fslr``: the one entry point that wraps a model, in one process, data-parallel or FSDP2.
 
 It picks the wrapper: :class:`~fslr_func.transform.FSLRModule` for a plain module,
-:class:`~fslr_func.distributed.DistributedFSLRModule` for a data-parallel one or when asked
-for a distributed probe. Either way the probe options are validated here, before anything else.
+:class:`~fslr_func.distributed.DistributedFSLRModule` for a data-parallel one, an FSDP2
+(``fully_shard``) one, or when asked for a distributed probe. Either way the probe options
+are validated here, before anything else.
 
 Example:
     >>> import torch, fslr_func as ff
@@ -19,6 +20,7 @@ from torch import nn
 
 from .distributed import DistributedFSLRModule, is_data_parallel
 from .estimator import Estimator
+from .fsdp import is_fully_sharded
 from .process_group import ProcessGroup
 from .transform import FSLRModule
 
@@ -43,14 +45,16 @@ def with_fslr(
     """Wrap ``model`` so that its optimiser steps can report function-space learning rates.
 
     Args:
-        model: any ``nn.Module``.
+        model: any ``nn.Module``, a ``DistributedDataParallel`` one, or one sharded with
+            FSDP2's ``fully_shard`` (DTensor parameters; docs/distributed.md).
         estimator: ``"kron"`` (default), ``"full"`` or ``"iid"``.
         beta: EMA decay across probes (bias-corrected).
         seed: seeds the omega generator; ``None`` draws it from torch's global RNG (rank 0's
             when distributed).
         distributed: all-reduce the probe over the ranks of ``group`` so every rank gets the
             estimates of the global batch (:mod:`fslr_func.distributed`); ``None``: exactly
-            when ``model`` is a ``DistributedDataParallel`` module, which is always unwrapped.
+            when ``model`` is a ``DistributedDataParallel`` module (always unwrapped) or has
+            FSDP2-sharded parameters (always distributed).
         group: the process group of a distributed probe; ``None``: the default group.
         **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`):
             ``samples=8`` (omega samples per probe batch), ``omega="gaussian"``,
@@ -63,10 +67,10 @@ def with_fslr(
         An :class:`~fslr_func.transform.FSLRModule`; ``fm(x) == model(x)``.
 
     Raises:
-        ValueError: an invalid option (at once, before any probe), or a model without
-            trainable parameters.
+        ValueError: an invalid option (at once, before any probe), a model without
+            trainable parameters, or ``distributed=False`` for an FSDP2 model.
     """
-    if distributed or is_data_parallel(model):
+    if distributed or is_data_parallel(model) or is_fully_sharded(model):
         return DistributedFSLRModule(
             model,
             distributed=distributed,

@@ -312,7 +312,7 @@ def test_measure_with_an_optimiser_over_other_parameters() -> None:
     ):
         pass
     frozen_lr = torch.optim.SGD(fm.parameters(), lr=0.0)
-    with pytest.raises(ValueError, match="non-zero learning rate"), fm.measure(frozen_lr, x):
+    with pytest.raises(ValueError, match="every learning rate is 0"), fm.measure(frozen_lr, x):
         pass
 
 
@@ -326,10 +326,13 @@ def test_a_nan_step_is_reported_and_the_wrapper_state_is_unchanged() -> None:
     ema = {k: v.clone() for k, v in fm.ema.value().items()}
     for p in model.parameters():
         p.grad = torch.full_like(p, math.nan)
-    with pytest.raises(ValueError, match="NaN or Inf"), fm.measure(opt, x):
+    with fm.measure(opt, x):  # a measured step reads nothing on the host: no error here
         opt.step()
     for k, v in fm.ema.value().items():
         torch.testing.assert_close(v, ema[k], rtol=0, atol=0)
+    with pytest.warns(RuntimeWarning, match=r"not finite.*step 1: \['body\.weight'"):
+        fslr = fm.fslr()  # reading the estimates reports the dropped probe
+    assert fslr.keys() == ema.keys()
 
 
 def test_successful_calls_modify_nothing_either() -> None:
@@ -393,4 +396,4 @@ def test_nested_measure_blocks_are_refused() -> None:
         with pytest.raises(RuntimeError, match="cannot be nested"), fm.measure(opt, x):
             pass
         opt.step()
-    assert set(fm.ema.counts.values()) == {1}  # the step was folded in once
+    assert {int(c) for c in fm.ema.counts.values()} == {1}  # the step was folded in once

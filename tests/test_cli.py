@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -70,6 +73,22 @@ def test_sweep_depth_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFix
     assert (figs / f"{record.stem}.png").stat().st_size > 1000
 
 
+def test_nearly_equal_scales_get_their_own_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 10: scale keys kept 6 digits, so 1 and 1.000001 shared run files ("-1 cached")
+    out = tmp_path / "init"
+    args = ["sweep", *TINY, "--axis", "init_scale", "--scales", "1,1.000001,4", "--lrs", "2^-5",
+            "--modes", "standard", "--out", str(out), "--no-plots"]  # fmt: skip
+    assert main(args) == 0
+    assert "3 run(s) trained, 0 cached" in capsys.readouterr().out
+    assert len(list((out / "runs").glob("*.json"))) == 3
+    assert set(json.loads((out / "summary.json").read_text())["modes"]["standard"]["loss"]) == {
+        "1", "1.000001", "4"}  # fmt: skip
+    assert main(args) == 0
+    assert "0 run(s) trained, 3 cached" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [
@@ -77,6 +96,9 @@ def test_sweep_depth_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFix
         (["sweep", "--scales", "1,-2"], "argument --scales"),
         (["sweep", "--scales", "1,1.5", "--width", "5"], "argument --scales"),
         (["sweep", "--lrs", "0.1,-1"], "argument --lrs"),
+        (["sweep", "--lrs", "2^2000"], "argument --lrs"),  # OverflowError traceback before
+        (["sweep", "--scales", "1,2**5000"], "argument --scales"),
+        (["demo", "--init-scale", "2^9999"], "argument --init-scale"),
         (["sweep", "--lrs", "2^-3..2^-5"], "argument --lrs"),
         (["sweep", "--steps", "0"], "argument --steps"),
         (["sweep", "--steps", "ten"], "argument --steps"),
@@ -111,6 +133,107 @@ def test_out_must_be_a_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         main(["plot", str(tmp_path)])
     assert "argument path: " in capsys.readouterr().err
+
+
+def _one_line_error(capsys: pytest.CaptureFixture[str], start: str) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and err.splitlines()[-1].startswith(start), err
+    return err.splitlines()[-1]
+
+
+def test_unusable_out_or_damaged_sweep_json_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # issue 10: --out /proc/x and a damaged sweep.json ended in tracebacks
+    with pytest.raises(SystemExit) as info:
+        main(["sweep", *TINY, "--out", "/proc/x/runs"])
+    assert info.value.code == 2
+    line = _one_line_error(capsys, "fslr sweep: error: argument --out: cannot create '/proc/x")
+    (tmp_path / "sweep.json").write_text('{"config": {"steps": "ten"}}')
+    with pytest.raises(SystemExit) as info:
+        main(["plot", str(tmp_path)])
+    assert info.value.code == 2
+    line = _one_line_error(capsys, "fslr plot: error: argument path: ")
+    assert "sweep.json is damaged" in line and "steps" in line
+
+
+def _children(pid: int) -> list[int]:
+    """Pids of the live (not zombie) child processes of ``pid``, from /proc."""
+    kids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            state, ppid = entry.joinpath("stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, ValueError):  # not a process, or it just ended
+            continue
+        if int(ppid) == pid and state != "Z":
+            kids.append(int(entry.name))
+    return kids
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pids: list[int], seconds: float = 10) -> list[int]:
+    """The pids still alive after up to ``seconds`` (killed, so none outlives the test)."""
+    deadline = time.monotonic() + seconds
+    while any(_alive(k) for k in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [k for k in pids if _alive(k)]
+    for k in survivors:
+        os.kill(k, signal.SIGKILL)
+    return survivors
+
+
+_PARENT = """
+import subprocess, sys
+child = "from fslr_func.experiments.schedule import _die_with_parent; import os, time; "
+child += f"_die_with_parent({__import__('os').getpid()}); print(os.getpid(), flush=True); "
+child += "time.sleep(60)"
+subprocess.Popen([sys.executable, "-c", child]).wait()
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_worker_dies_with_its_killed_parent() -> None:
+    # what a sweep's worker runs first (schedule._init_worker); end to end: the slow test below
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None
+        child = int(parent.stdout.readline())  # printed once _die_with_parent has run
+        assert _alive(child)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert _wait_gone([child]) == []
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_kill_9_of_a_parallel_sweep_leaves_no_process_behind(tmp_path: Path) -> None:
+    # issue 10: kill -9 of `fslr sweep --jobs 2` left its workers training as orphans
+    out = tmp_path / "killed"
+    args = [*TINY, "--lrs", "2^-9..2^-2", "--steps", "30", "--jobs", "2", "--no-plots"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fslr_func.cli", "sweep", *args, "--out", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not list(out.glob("runs/*.json")):  # the workers are up and training
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        kids = _children(proc.pid)
+        assert len(kids) >= 2  # the two workers (and multiprocessing's resource tracker)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert _wait_gone(kids) == []
+    assert not list(out.rglob("*.tmp"))  # or the next save would have removed them
 
 
 @pytest.mark.parametrize("command", [[], ["demo"], ["sweep"], ["plot"]])

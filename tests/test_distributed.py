@@ -7,10 +7,6 @@ concatenated batch with the same omega seed, and be bitwise identical across ran
 
 from __future__ import annotations
 
-import gc
-import os
-import socket
-import sys
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -18,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from _gloo import free_port, spawn
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -31,12 +27,6 @@ from fslr_func.transform import FSLRModule
 WORLD = 2
 SHARDS = (6, 4)  # rows of the probe batch held by rank 0 and rank 1
 RTOL = 1e-10
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _mlp() -> nn.Module:
@@ -139,8 +129,9 @@ def _check_ddp_with_fslr(rank: int) -> None:
     x_probe, x_train, y_train = _batches()
     fm = ff.with_fslr(DistributedDataParallel(model), samples=6, seed=123)
     assert isinstance(fm, fd.DistributedFSLRModule) and fm.distributed
-    keys = {f"module.{k}" for k in model.state_dict()}
-    assert fm.module is model and set(fm.state_dict()) == keys | {"_extra_state"}
+    state = fm.state_dict()  # the bare model's keys, the wrapper's state in the metadata
+    assert fm.module is model and list(state) == list(model.state_dict())
+    assert "fslr_state" in state._metadata[""]  # type: ignore[attr-defined]
     opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
     xs, ys = x_train.chunk(WORLD)[rank], y_train.chunk(WORLD)[rank]
     for step in range(2):
@@ -228,32 +219,17 @@ def _check_sharded_statistics(rank: int) -> None:
     assert bool(torch.isneginf(shard_log_statistics(zero.tensor_split([1])[rank], 0)).all())
 
 
-def _worker(rank: int, port: int) -> None:
-    if sys.platform.startswith("linux"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=WORLD,
-        timeout=timedelta(seconds=60),
-    )
-    try:
-        _check_estimates(rank)
-        _check_sparse_embedding(rank)
-        _check_ddp_with_fslr(rank)
-        _check_flerm(rank)
-        _check_sharded_statistics(rank)
-        gc.collect()  # free the DDP reducers while the group is alive
-        dist.barrier()  # no rank tears its connections down while another still uses them
-    finally:
-        dist.destroy_process_group()
+def _checks(rank: int) -> None:
+    _check_estimates(rank)
+    _check_sparse_embedding(rank)
+    _check_ddp_with_fslr(rank)
+    _check_flerm(rank)
+    _check_sharded_statistics(rank)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_two_process_ddp_matches_single_process() -> None:
-    mp.spawn(_worker, args=(_free_port(),), nprocs=WORLD, join=True)
+    spawn(_checks, WORLD)
 
 
 def test_needs_initialised_process_group() -> None:
@@ -294,12 +270,13 @@ def _one_process_group(port: int) -> None:
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
 def test_one_process_functions_refuse_ddp_and_fsdp2_models() -> None:
     """A DDP module probed in one process would measure this rank's shard (two ranks differed
-    30x); FSDP2 parameters are DTensors the probe cannot differentiate: both raise, never a
-    silently wrong or zero FSLR."""
+    30x); an FSDP2 module's forward hooks would put FSDP's parameters in place of the probe's
+    (every FSLR was 0): both raise, pointing to fslr_func.distributed, never a silently wrong or
+    zero FSLR."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    _one_process_group(_free_port())
+    _one_process_group(free_port())
     try:
         x = torch.randn(4, 3)
         ddp = DistributedDataParallel(nn.Linear(3, 2))
@@ -310,9 +287,12 @@ def test_one_process_functions_refuse_ddp_and_fsdp2_models() -> None:
         sharded = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
         fully_shard(sharded, mesh=init_device_mesh("cpu", (1,)))
         delta = {n: torch.ones(p.shape) for n, p in sharded.named_parameters()}
-        with pytest.raises(NotImplementedError, match="FSDP2"):
-            ff.estimate(sharded, x, delta)
-        with pytest.raises(NotImplementedError, match="FSDP2"):
-            ff.with_fslr(sharded)
+        for fn in (ff.estimate, ff.exact):
+            with pytest.raises(ValueError, match=r"FSDP2.*fslr_func\.distributed"):
+                fn(sharded, x, delta)
+        with pytest.raises(ValueError, match="FSDP2"):
+            FSLRModule(sharded)
+        with pytest.raises(ValueError, match="distributed=False"):
+            ff.with_fslr(sharded, distributed=False)
     finally:
         dist.destroy_process_group()

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from fslr_func.atomic import write_json
 from fslr_func.record import FORMAT, META_KEYS, VERSION, FSLRRecord, optimizer_meta
 
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -155,6 +156,42 @@ def test_atomic_save_crash_keeps_old_file(
     assert os.listdir(tmp_path) == ["r.json"]
 
 
+@pytest.mark.parametrize("where", ["missing folder", "target is a folder", "parent is a file"])
+def test_save_error_names_the_target_not_the_temp_file(tmp_path: Path, where: str) -> None:
+    # issue 10: os.replace onto a folder reported ".r.json.k3j2.tmp -> r.json"
+    if where == "missing folder":
+        path = tmp_path / "nope" / "r.json"
+    elif where == "target is a folder":
+        path = tmp_path / "r.json"
+        path.mkdir()
+    else:
+        (tmp_path / "file").write_text("x")
+        path = tmp_path / "file" / "r.json"
+    with pytest.raises(OSError) as info:
+        simple([1.0]).save(path)
+    assert str(info.value).count(str(path)) == 1 and ".tmp" not in str(info.value)
+    if where != "missing folder":  # which parents=True would create
+        with pytest.raises(OSError, match=f"cannot write '{path}'"):
+            write_json(path, {}, parents=True)
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_next_save_removes_temp_files_of_killed_writers(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    path = tmp_path / "r.json"
+    killed = tmp_path / f".r.json.{dead}.a1b2.tmp"  # what a kill -9 mid-write leaves
+    live = tmp_path / f".r.json.{os.getppid()}.c3d4.tmp"  # a concurrent writer's, in flight
+    other = tmp_path / f".q.json.{dead}.e5f6.tmp"  # another target's: its own next save
+    for f in (killed, live, other):
+        f.write_text("partial")
+    simple([1.0]).save(path)
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, "r.json"])
+
+
 def test_save_rejects_non_json_meta_without_touching_file(tmp_path: Path) -> None:
     path = tmp_path / "r.json"
     simple([1.0]).save(path)
@@ -260,6 +297,40 @@ def test_mean_is_elementwise_mean(n_seeds: int, n_steps: int, data: st.DataObjec
     assert m.lrs == {"a": [0.1] * n_steps, "b": [0.2] * n_steps}
     assert m.meta["seed"] == list(range(n_seeds))
     assert m.meta["base_lr"] == 0.1 and m.shapes == recs[0].shapes
+
+
+def test_mean_near_float_max_does_not_overflow() -> None:
+    # issue 10: math.fsum raised OverflowError ("intermediate overflow in fsum")
+    big = [1.7e308, 1.5e308, 1e-300, 1.79e308]
+    recs = [FSLRRecord(steps=[0, 1], fslr={"w": [v, v / 2]}, sched=[v, 1.0]) for v in big]
+    m = FSLRRecord.mean(recs)
+    expect = sum(v / 4 for v in big)
+    assert m.fslr["w"] == [pytest.approx(expect, rel=1e-15), pytest.approx(expect / 2, rel=1e-15)]
+    assert m.sched == [pytest.approx(expect, rel=1e-15), 1.0]
+    assert FSLRRecord.mean([simple([0.0]), simple([0.0])]).fslr["a"] == [0.0]
+
+
+def test_flerm_with_absurd_base_fslr_holds_instead_of_overflowing_adam() -> None:
+    # issue 10: a base FSLR of 1e300 gave a rate of ~1e298; Adam raised "value cannot be
+    # converted to type float without overflow" (or wrote inf into the weights)
+    import fslr_func as ff
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    fm = ff.with_fslr(net, samples=4, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=0.01)
+    fslr = {n: [1e300 if n == "0.weight" else 0.1] for n, _ in net.named_parameters()}
+    flerm = ff.FLeRM(fm, opt, FSLRRecord(steps=[0], fslr=fslr, meta={"base_lr": 0.01}),
+                     probe_batches=[torch.randn(16, 4)], warmup_samples=4)  # fmt: skip
+    x = torch.randn(16, 4)
+    with pytest.warns(RuntimeWarning, match=r"too large.*'0\.weight'"):
+        for _ in range(2):
+            opt.zero_grad()
+            fm(x).square().mean().backward()
+            with flerm.step():
+                opt.step()
+    assert flerm.history[0].held == ("0.weight",) and flerm.lrs()["0.weight"] == 0.01
+    assert all(torch.isfinite(p).all() for p in net.parameters())
 
 
 def test_mean_of_means_flattens_seeds_and_copies_meta() -> None:

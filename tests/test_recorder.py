@@ -56,13 +56,13 @@ def test_warmup_then_every_k_steps_on_fresh_batches() -> None:
     opt = torch.optim.SGD(fm.parameters(), lr=0.1, momentum=0.9)
     rec = Recorder(fm, stream(0), warmup_samples=10, every=3, start_step=1)
     calls: list[int] = []
-    observe = fm.observe
+    fold = fm.fold
 
-    def counting(inputs: Any, delta: Any, **kw: Any) -> dict[str, Tensor]:
+    def counting(inputs: Any, delta: Any, **kw: Any) -> None:
         calls.append(len(inputs))
-        return observe(inputs, delta, **kw)
+        fold(inputs, delta, **kw)
 
-    fm.observe = counting  # type: ignore[method-assign]
+    fm.fold = counting  # type: ignore[method-assign]
     yielded = run(fm, opt, rec, range(9))
     assert rec.record.steps == [1, 4, 7]
     assert calls == [3, 1, 1]  # ceil(10 / 4) warm-up probes, then one per probe step
@@ -167,15 +167,28 @@ def test_resume_gives_the_uninterrupted_record() -> None:
         rec.load_state_dict({**saved["rec"], "version": 0})
 
 
-def test_non_finite_rows_are_skipped_with_a_warning() -> None:
+def test_a_non_finite_probe_batch_is_left_out_and_the_record_goes_on() -> None:
     fm = model()
     opt = torch.optim.SGD(fm.parameters(), lr=0.1)
     rec = Recorder(fm, stream(0), warmup_samples=4, every=1)
     run(fm, opt, rec, range(1))
-    fm.observe = lambda *a, **k: {"0.weight": torch.tensor(math.inf)}  # type: ignore[method-assign]
-    with pytest.warns(RuntimeWarning, match="non-finite"):
+    fold = fm.fold
+
+    def nan_batches(inputs: Any, delta: Any, **kw: Any) -> None:
+        fold([torch.full_like(b, math.nan) for b in inputs], delta, **kw)
+
+    fm.fold = nan_batches  # type: ignore[method-assign]
+    with pytest.warns(RuntimeWarning, match=r"not finite.*step 1"):
         run(fm, opt, rec, range(1, 2))
-    assert rec.record.steps == [0]
+    fm.fold = fold  # type: ignore[method-assign]
+    run(fm, opt, rec, range(2, 3))
+    assert rec.record.steps == [0, 1, 2]
+    # The averages of every tensor the NaN reaches kept their values; the readout bias's
+    # gradient does not depend on the inputs, so its probe stayed finite and was folded in.
+    reached = ["0.weight", "0.bias", "2.weight"]
+    assert [rec.record.at(1)[n] for n in reached] == [rec.record.at(0)[n] for n in reached]
+    assert rec.record.at(1)["2.bias"] != rec.record.at(0)["2.bias"]
+    assert rec.record.at(2) != rec.record.at(1)
 
 
 def test_probe_batches_running_out_and_bad_options() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,64 @@ def test_damaged_cache_file_is_rerun(tmp_path: Path) -> None:
     key = RunSpec("standard", 1.0, 0.01, 0).key
     (tmp_path / "runs" / f"{key}.json").write_text('{"format": "fslr_func.sweep.run", "ver')
     assert _sweep(cfg, tmp_path).executed == [key]
+
+
+def test_damaged_cache_files_are_rerun_and_rewritten(tmp_path: Path) -> None:
+    # issue 10: a run file with "loss": "abc" was cached as valid; the summary raised TypeError
+    cfg = tiny_config(seeds=1, scales=(1,), lrs=(0.01,))
+    first = _sweep(cfg, tmp_path)
+    record = tmp_path / "records" / "lr=0.01_seed=0.json"
+    good = FSLRRecord.load(record)
+    record.write_text(record.read_text()[:50])  # cut short
+    assert _sweep(cfg, tmp_path).executed == [RunSpec("standard", 1.0, 0.01, 0).key]
+    assert FSLRRecord.load(record) == good
+    key = RunSpec("flerm", 1.0, 0.01, 0).key
+    path = tmp_path / "runs" / f"{key}.json"
+    for change in ({"loss": "abc"}, {"losses": [1.0, "nan"]}, {"flerm": {"lrs": {"w": None}}},
+                   {"scale": 2.0}, {"loss": True}):  # fmt: skip
+        path.write_text(json.dumps({**first.runs[key], **change}))
+        again = _sweep(cfg, tmp_path)
+        assert again.executed == [key], change
+        assert json.loads(path.read_text())["loss"] == first.runs[key]["loss"]
+
+
+def test_base_record_swapped_by_another_sweep_is_not_used(tmp_path: Path) -> None:
+    # issue 10: two sweeps of different configs in one folder; a FLeRM run read the other
+    # sweep's base record (no fingerprint check) and was cached as valid for good
+    cfg = tiny_config(seeds=1, lrs=(0.02,))
+    record = tmp_path / "records" / "lr=0.02_seed=0.json"
+
+    def other_sweep_writes(result: dict[str, Any]) -> None:
+        if result["key"] == RunSpec("standard", 1.0, 0.02, 0).key:
+            foreign = FSLRRecord.load(record)
+            foreign.fslr = {n: [123.0] * len(v) for n, v in foreign.fslr.items()}
+            foreign.meta["fingerprint"] = "another-config"
+            foreign.save(record)
+
+    result = _sweep(cfg, tmp_path, on_run=other_sweep_writes)
+    run = result.runs[RunSpec("flerm", 1.0, 0.02, 0).key]
+    assert 123.0 not in run["flerm"]["targets"].values()
+    assert result.summary["identity_check"]["max_abs_loss_diff"] == 0.0
+    mean = FSLRRecord.load(tmp_path / "records" / "lr=0.02_mean.json")
+    assert (
+        mean.meta["fingerprint"] == result.runs[RunSpec("flerm", 1.0, 0.02, 0).key]["fingerprint"]
+    )
+    # a resumed sweep finds the foreign record stale: it re-records it, keeps its FLeRM runs
+    assert _sweep(cfg, tmp_path).executed == [RunSpec("standard", 1.0, 0.02, 0).key]
+    assert FSLRRecord.load(record).fslr == mean.fslr
+
+
+def test_files_get_the_umask_permissions(tmp_path: Path) -> None:
+    cfg = tiny_config(seeds=1, scales=(1,), lrs=(0.01,))
+    old = os.umask(0o027)
+    try:
+        _sweep(cfg, tmp_path / "out")
+    finally:
+        os.umask(old)
+    paths = list((tmp_path / "out").rglob("*"))
+    assert len(paths) == 9  # sweep.json, summary.json, 2 folders, 3 runs, record, mean
+    for path in paths:
+        assert path.stat().st_mode & 0o777 == (0o750 if path.is_dir() else 0o640), path
 
 
 # ---------------------------------------------------------------------------------- FLeRM

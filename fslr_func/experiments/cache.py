@@ -8,9 +8,12 @@ cached as one file, written atomically (:func:`fslr_func.atomic.write_json`)::
     <out>/records/lr=<lr>_seed=<k>.json   base records (FSLRRecord.save), and lr=<lr>_mean.json
     <out>/summary.json                    see :func:`~fslr_func.experiments.summary.summarise`
 
-A cached run counts only when its config fingerprint is the sweep's (and, for a FLeRM run,
-when its base record was averaged over the sweep's seeds); a missing, damaged or stale file is
-simply re-run.
+Every file a run reads is checked: a cached run counts only when it is a complete result of
+that very run (format, key, mode, scale, learning rate, seed, finite or ``null`` losses) with
+the sweep's config fingerprint (and, for a FLeRM run, a base record averaged over the sweep's
+seeds), and a base record only when it carries the sweep's fingerprint; a missing, damaged or
+stale file is re-run and rewritten. A base record is read (or made) once per sweep and kept,
+so another sweep writing into the same folder cannot swap it under a running one.
 
 Example:
     >>> import tempfile
@@ -19,9 +22,12 @@ Example:
     >>> from fslr_func.experiments.run import RUN_FORMAT, grid
     >>> config = SweepConfig(scales=(1, 2), lrs=(0.5,), seeds=1)
     >>> spec = grid(config)[0]
+    >>> result = {"format": RUN_FORMAT, "version": 1, "key": spec.key, "mode": spec.mode,
+    ...           "scale": spec.scale, "lr": spec.lr, "seed": spec.seed, "loss": 0.25,
+    ...           "test_loss": None, "losses": [0.5, 0.25]}
     >>> with tempfile.TemporaryDirectory() as out:
     ...     cache = SweepCache.create(Path(out), config, "my-task")
-    ...     cache.store(spec, {"format": RUN_FORMAT, "version": 1, "key": spec.key}, None, run=True)
+    ...     cache.store(spec, result, None, run=True)
     ...     config_again, runs = load_runs(out)
     >>> config_again == config, list(runs), runs[spec.key]["fingerprint"] == cache.fingerprint
     (True, ['standard_scale=1_lr=0.5_seed=0'], True)
@@ -30,6 +36,7 @@ Example:
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Iterable
 from pathlib import Path
@@ -57,6 +64,44 @@ def _load_record(path: Path) -> FSLRRecord | None:
         return FSLRRecord.load(path)
     except (OSError, ValueError):
         return None
+
+
+def _number_or_none(x: object) -> bool:
+    """Whether ``x`` is a finite JSON number or ``null``: what a run stores for a loss."""
+    return x is None or (
+        isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+    )
+
+
+def _is_result(data: Any, spec: RunSpec) -> bool:
+    """Whether ``data`` is a complete result of ``spec`` (what the summary and plots read).
+
+    Example:
+        >>> spec = RunSpec("standard", 1.0, 0.5, 0)
+        >>> run = {"format": RUN_FORMAT, "version": RUN_VERSION, "key": spec.key,
+        ...        "mode": "standard", "scale": 1.0, "lr": 0.5, "seed": 0,
+        ...        "loss": 0.25, "test_loss": None, "losses": [0.5, None]}
+        >>> _is_result(run, spec), _is_result({**run, "loss": "abc"}, spec)
+        (True, False)
+    """
+    if not isinstance(data, dict):
+        return False
+    head = (data.get("format"), data.get("version"), data.get("key"), data.get("mode"))
+    if head != (RUN_FORMAT, RUN_VERSION, spec.key, spec.mode):
+        return False
+    if (data.get("scale"), data.get("lr"), data.get("seed")) != spec[1:]:
+        return False
+    losses = data.get("losses")
+    if not (isinstance(losses, list) and all(_number_or_none(v) for v in losses)):
+        return False
+    if not (_number_or_none(data.get("loss")) and _number_or_none(data.get("test_loss"))):
+        return False
+    flerm = data.get("flerm", {})
+    rates = flerm.get("lrs") if isinstance(flerm, dict) else None
+    return flerm == {} or (
+        isinstance(rates, dict)
+        and all(isinstance(v, (int, float)) and math.isfinite(v) for v in rates.values())
+    )
 
 
 def _common_rows(record: FSLRRecord, steps: set[int]) -> FSLRRecord:
@@ -110,6 +155,7 @@ class SweepCache:
         self.fingerprint = fingerprint
         self.seeds = seeds
         self._means: dict[float, FSLRRecord | None] = {}
+        self._records: dict[tuple[float, int], FSLRRecord | None] = {}
 
     @classmethod
     def create(cls, out: Path, config: SweepConfig, task_name: str) -> SweepCache:
@@ -135,29 +181,36 @@ class SweepCache:
     def run(self, spec: RunSpec) -> dict[str, Any] | None:
         """The cached result of ``spec``, or ``None`` if missing, damaged or stale."""
         data = _read_json(self._run_path(spec))
-        if not isinstance(data, dict) or data.get("format") != RUN_FORMAT:
-            return None
-        if data.get("version") != RUN_VERSION or data.get("fingerprint") != self.fingerprint:
-            return None
-        if data.get("key") != spec.key:
+        if not _is_result(data, spec) or data.get("fingerprint") != self.fingerprint:
             return None
         if spec.mode == "flerm" and data.get("base_seeds") != self.seeds:
             return None
-        return data
+        return data  # type: ignore[no-any-return]  # a dict: checked by _is_result
+
+    def record(self, lr: float, seed: int) -> FSLRRecord | None:
+        """The base record of ``lr`` and ``seed`` if cached with this fingerprint, else ``None``.
+
+        Read once, then kept: the record this sweep stored or first found stays the one its
+        FLeRM runs use, whatever another process writes to the file afterwards.
+        """
+        if (lr, seed) not in self._records:
+            rec = _load_record(self._record_path(lr, seed))
+            ok = rec is not None and rec.meta.get("fingerprint") == self.fingerprint
+            self._records[lr, seed] = rec if ok else None
+        return self._records[lr, seed]
 
     def has_record(self, lr: float, seed: int) -> bool:
         """Whether the base record of ``lr`` and ``seed`` is cached with this fingerprint."""
-        rec = _load_record(self._record_path(lr, seed))
-        return rec is not None and rec.meta.get("fingerprint") == self.fingerprint
+        return self.record(lr, seed) is not None
 
     def mean(self, lr: float) -> FSLRRecord | None:
         """The seed mean of the base records of ``lr`` (:func:`mean_record`), also saved.
 
-        Made once per :class:`SweepCache`, on first use, so call it only once every seed's
-        base record of ``lr`` is stored.
+        Made once per :class:`SweepCache`, on first use, from the records of :meth:`record`,
+        so call it only once every seed's base record of ``lr`` is stored.
         """
         if lr not in self._means:
-            recs = [_load_record(self._record_path(lr, s)) for s in self.seeds]
+            recs = [self.record(lr, s) for s in self.seeds]
             mean = mean_record(r for r in recs if r is not None)
             if mean is not None:
                 mean.save(self._mean_path(lr))
@@ -181,6 +234,7 @@ class SweepCache:
         if record is not None:
             record.meta["fingerprint"] = self.fingerprint
             record.save(self._record_path(spec.lr, spec.seed))
+            self._records[spec.lr, spec.seed] = record
         if run:
             write_json(self._run_path(spec), result, parents=True)
 
@@ -190,12 +244,19 @@ def load_runs(out: str | os.PathLike[str]) -> tuple[SweepConfig, dict[str, dict[
 
     Raises:
         FileNotFoundError: if ``out`` has no readable ``sweep.json``.
+        ValueError: if its config is damaged.
     """
     out = Path(out)
     meta = _read_json(out / "sweep.json")
     if not isinstance(meta, dict) or "config" not in meta:
         raise FileNotFoundError(f"{out} is not a sweep folder: it has no readable sweep.json")
-    config = SweepConfig.from_dict(meta["config"])
+    try:
+        config = SweepConfig.from_dict(meta["config"]).validate(builtin=False)
+    except (TypeError, ValueError, AttributeError) as err:
+        raise ValueError(
+            f"{out / 'sweep.json'} is damaged: its config is invalid ({err}); run the sweep "
+            "again to rewrite it"
+        ) from err
     cache = SweepCache(out, str(meta.get("fingerprint")), list(range(config.seeds)))
     runs = {}
     for spec in grid(config):

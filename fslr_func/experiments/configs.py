@@ -344,7 +344,7 @@ class SweepConfig:
         need(
             len(set(keys)) == len(keys),
             "lrs",
-            f"must be distinct (to 8 significant digits), got {list(self.lrs)}",
+            f"must be distinct, got {list(self.lrs)}",
         )
         need(
             self.flerm_mode in ("static", "periodic"),
@@ -440,24 +440,32 @@ class SweepConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _exact_key(x: float, short: str) -> str:
+    """``short`` if it reads back as exactly ``x``, else ``repr(x)`` (the shortest string that
+    does): distinct numbers always get distinct keys."""
+    return short if float(short) == x else repr(float(x))
+
+
 def lr_key(lr: float) -> str:
-    """The learning rate as it appears in file names and JSON keys (8 significant digits).
+    """The learning rate as it appears in file names and JSON keys: exact and unique.
+
+    8 significant digits when they are exact, else every digit needed to read it back.
 
     Example:
-        >>> lr_key(2.0**-10), lr_key(0.001)
-        ('0.0009765625', '0.001')
+        >>> lr_key(2.0**-10), lr_key(0.001), lr_key(2.0**-0.5)
+        ('0.0009765625', '0.001', '0.7071067811865476')
     """
-    return f"{lr:.8g}"
+    return _exact_key(lr, f"{lr:.8g}")
 
 
 def scale_key(scale: float) -> str:
-    """The scale as it appears in file names and JSON keys.
+    """The scale as it appears in file names and JSON keys: exact and unique.
 
     Example:
-        >>> scale_key(8.0), scale_key(0.5)
-        ('8', '0.5')
+        >>> scale_key(8.0), scale_key(0.5), scale_key(1.000001), scale_key(1 + 1e-12)
+        ('8', '0.5', '1.000001', '1.000000000001')
     """
-    return f"{scale:g}"
+    return _exact_key(scale, f"{scale:g}")
 
 
 #: The ``fslr demo`` configuration: ResMLP width transfer (32 -> 256 units, 4 blocks) on

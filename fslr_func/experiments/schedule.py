@@ -4,7 +4,9 @@ A FLeRM run needs the base record of its learning rate, averaged over the seeds:
 :class:`Scheduler` holds it back until every seed's base recording (the standard run at the
 base scale) is done, starts base recordings first since they unlock FLeRM runs, and otherwise
 starts the most expensive runs (the largest scale) first. With ``jobs > 1`` the runs go to a
-pool of worker processes started with ``spawn``, each given the task and config once.
+pool of worker processes started with ``spawn``, each given the task and config once. Workers
+die with the sweep's process, even when it is killed (``kill -9``): on Linux the kernel sends
+them ``SIGKILL`` when it dies (``prctl(PR_SET_PDEATHSIG)``), elsewhere they poll its pid.
 
 Example:
     >>> import torch
@@ -35,8 +37,13 @@ Example:
 from __future__ import annotations
 
 import concurrent.futures as cf
+import ctypes
 import multiprocessing
 import os
+import signal
+import sys
+import threading
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, NamedTuple
 
@@ -54,8 +61,36 @@ Finish = Callable[[RunSpec, dict[str, Any], FSLRRecord | None], None]
 
 _WORKER: dict[str, Any] = {}
 
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
-def _init_worker(task: Task, config: SweepConfig, threads: int) -> None:
+
+def _watch_parent(parent: int) -> None:
+    """Exit this process as soon as ``parent`` is no longer its parent (it died)."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os._exit(1)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Make this worker die when the sweep's process ``parent`` does, however it dies.
+
+    A killed parent cannot shut its pool down, and its workers would train on as orphans. On
+    Linux the kernel kills the worker (``prctl(PR_SET_PDEATHSIG, SIGKILL)``, set here because
+    ``exec`` of the spawned interpreter clears it); elsewhere a daemon thread polls the parent
+    pid. A parent that died before this ran is caught by the pid check.
+    """
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+    else:  # pragma: no cover - macOS, BSD: no parent-death signal
+        threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def _init_worker(task: Task, config: SweepConfig, threads: int, parent: int) -> None:
+    _die_with_parent(parent)
     torch.set_num_threads(threads)
     _WORKER["task"], _WORKER["config"] = task, config
 
@@ -190,7 +225,10 @@ class Scheduler:
     def _run_pool(self, task: Task, config: SweepConfig, jobs: int, threads: int) -> None:
         ctx = multiprocessing.get_context("spawn")
         with cf.ProcessPoolExecutor(
-            jobs, mp_context=ctx, initializer=_init_worker, initargs=(task, config, threads)
+            jobs,
+            mp_context=ctx,
+            initializer=_init_worker,
+            initargs=(task, config, threads, os.getpid()),
         ) as pool:
             flying: dict[cf.Future[Any], RunSpec] = {}
             try:

@@ -32,13 +32,19 @@ __all__ = ["format_table", "summarise"]
 def _seed_mean(cell: list[Mapping[str, Any] | None], field: str) -> float | None:
     """The mean of ``field`` over the seeds' runs; ``None`` if a run or its value is missing.
 
+    Each value is divided by the count before the sum, so losses near the float maximum
+    average to a finite number (``math.fsum`` of them raises ``OverflowError``).
+
     Example:
         >>> _seed_mean([{"loss": 1.0}, {"loss": 2.0}], "loss"), _seed_mean([None], "loss")
         (1.5, None)
+        >>> _seed_mean([{"loss": 1.5e308}, {"loss": 1.7e308}], "loss")
+        1.6e+308
     """
     values = [c.get(field) for c in cell if c]
     present = [v for v in values if v is not None]
-    return math.fsum(present) / len(present) if len(present) == len(cell) else None
+    n = len(present)
+    return math.fsum(v / n for v in present) if n == len(cell) else None
 
 
 def summarise(
@@ -158,23 +164,24 @@ def format_table(summary: Mapping[str, Any]) -> str:
         shift    -3 octaves                  +0 octaves
     """
     modes = [m for m in MODES if m in summary["modes"]]
-    head = f"{summary['axis']:<8} " + " ".join(f"{m + ' best lr':<18} {'loss':<8}" for m in modes)
+    keys = [scale_key(float(scale)) for scale in summary["scales"]]
+    w = max(8, len(summary["axis"]), *(len(k) + 1 for k in keys))  # first column
+    head = f"{summary['axis']:<{w}} " + " ".join(f"{m + ' best lr':<18} {'loss':<8}" for m in modes)
     lines = [head]
-    for scale in summary["scales"]:
-        sk = scale_key(float(scale))
+    for sk in keys:
         cells = []
         for m in modes:
             loss = summary["modes"][m]["best_loss"].get(sk)
             lr = _fmt_lr(summary["modes"][m]["best_lr"].get(sk))
             lr += "!" if sk in summary["modes"][m].get("edge", ()) else ""
             cells.append(f"{lr:<18} {'-' if loss is None else f'{loss:.4f}':<8}")
-        lines.append(f"{sk + 'x':<8} " + " ".join(cells))
+        lines.append(f"{sk + 'x':<{w}} " + " ".join(cells))
     shifts = []
     for m in modes:
         x = summary["modes"][m]["shift_octaves"]
         bound = ">=" if summary["modes"][m].get("shift_bound") else ""
         shifts.append(f"{'-' if x is None else f'{bound}{x:+.3g} octaves':<27}")
-    lines.append(f"{'shift':<8} " + " ".join(shifts))
+    lines.append(f"{'shift':<{w}} " + " ".join(shifts))
     if any(summary["modes"][m].get("edge") for m in modes):
         lines.append(
             "! best learning rate on the edge of the grid: widen --lrs (a shift >= is a bound)"

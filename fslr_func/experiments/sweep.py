@@ -228,7 +228,7 @@ def run_sweep(
     Runs found in ``<out>/runs`` with the same fingerprint are not re-run. Base recordings go
     first; the FLeRM runs of a learning rate start as soon as all its seeds' base records
     exist; the most expensive runs go before cheaper ones. Interrupting (Ctrl-C) loses only
-    the runs in flight.
+    the runs in flight; killing the process (``kill -9``) also ends its worker processes.
 
     Args:
         config: the sweep (validated here).

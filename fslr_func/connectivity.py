@@ -1,0 +1,144 @@
+"""Does the probe's output depend on the probed tensors? Silent zeros turned into errors.
+
+A forward that cuts a parameter out of the autograd graph (``torch.no_grad`` or ``.detach()``
+around it, reentrant activation checkpointing, which runs its segment under ``no_grad``)
+gives that parameter a gradient of exactly zero in the probe, so its FSLR would read 0
+whatever the update. :class:`CutFinder` watches the probe's forward: it notes every probed
+tensor that an operation used while gradients were off (or detached), and after the forward
+walks the output's graph back to the tensors it reaches. A tensor that was used but is not
+reached was cut: an error names it and the fix. A tensor the forward never uses (an unused
+head) is not an error: it really does not move the function. The walk and the bookkeeping are
+host-side only (no synchronisation with the device).
+
+Example:
+    >>> import torch
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> with CutFinder({"w": w}) as finder:
+    ...     with torch.no_grad():
+    ...         out = (w * 2).sum() + torch.ones(())
+    >>> finder.cut(out)
+    ['w']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = [
+    "FIX",
+    "CutFinder",
+    "check_connected",
+    "cut_error",
+    "disconnected_output_error",
+    "reaches",
+]
+
+
+def reaches(output: Tensor, tensor: Tensor) -> bool:
+    """Whether the autograd graph of ``output`` leads back to the leaf ``tensor``."""
+    return output.requires_grad and id(tensor) in _reached(output)
+
+
+def _reached(output: Tensor) -> set[int]:
+    """``id``s of the leaf tensors the autograd graph of ``output`` leads back to."""
+    reached: set[int] = set()
+    seen: set[Any] = set()
+    stack = [output.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            reached.add(id(variable))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return reached
+
+
+class CutFinder(TorchFunctionMode):
+    """Notes the probed tensors used with gradients off; :meth:`cut` names the lost ones.
+
+    Args:
+        tensors: the probed tensors as the forward sees them (name -> tensor).
+    """
+
+    def __init__(self, tensors: Mapping[str, Tensor]) -> None:
+        super().__init__()
+        self._names = {id(t): n for n, t in tensors.items()}
+        self._cut_use: set[str] = set()
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if not torch.is_grad_enabled() or func is Tensor.detach:
+            for leaf in tree_flatten((args, kwargs))[0]:
+                name = self._names.get(id(leaf)) if isinstance(leaf, Tensor) else None
+                if name is not None:
+                    self._cut_use.add(name)
+        return func(*args, **kwargs)
+
+    @property
+    def used_without_grad(self) -> set[str]:
+        """Probed tensors some operation used with gradients off, or detached."""
+        return set(self._cut_use)
+
+    def cut(self, output: Tensor) -> list[str]:
+        """Probed tensors used with gradients off that the graph of ``output`` does not reach."""
+        if not self._cut_use:
+            return []
+        reached = _reached(output) if output.requires_grad else set()
+        return sorted(n for i, n in self._names.items() if n in self._cut_use and i not in reached)
+
+
+FIX = (
+    "Their FSLRs would read exactly 0. Remove torch.no_grad()/.detach() around trainable "
+    "parameters and the output, and use activation checkpointing with use_reentrant=False "
+    "(torch.utils.checkpoint.checkpoint(..., use_reentrant=False); Hugging Face: "
+    "model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+    '{"use_reentrant": False}))'
+)
+"""How to keep parameters in the graph, for the errors below."""
+
+
+def disconnected_output_error() -> ValueError:
+    """The error for an output that depends on none of the measured parameters."""
+    return ValueError(
+        "the model output (after output_fn) does not depend on any of the measured "
+        "parameters: the forward or output_fn detached it or ran under torch.no_grad. " + FIX
+    )
+
+
+def cut_error(names: list[str]) -> ValueError:
+    """The error for parameters the forward used but cut out of the graph."""
+    return ValueError(
+        f"the forward cut {names} out of the autograd graph (used under torch.no_grad, "
+        f".detach() or reentrant activation checkpointing). " + FIX
+    )
+
+
+def check_connected(output: Tensor, finder: CutFinder) -> None:
+    """Raise if the forward cut probed tensors out of the graph of ``output``.
+
+    Raises:
+        ValueError: the output does not depend on any probed tensor (a detached
+            ``output_fn``, ``torch.no_grad`` around the model), or some probed tensors were
+            used with gradients off and are not in the output's graph; the message names
+            them and the fix.
+    """
+    if not output.requires_grad:
+        raise disconnected_output_error()
+    cut = finder.cut(output)
+    if cut:
+        raise cut_error(cut)

@@ -1,0 +1,134 @@
+"""PyTorch Lightning callbacks: record a base run, or drive a scaled run with FLeRM.
+
+Add one callback to the ``lightning.Trainer`` you already have::
+
+    Trainer(callbacks=[FSLRCallback(probe_loader)]).fit(module, train_loader)
+    Trainer(callbacks=[FLeRMCallback("base/fslr_record.json", probe_loader)]).fit(...)
+
+At ``on_train_start`` the callback wraps the ``LightningModule``, builds a Recorder or FLeRM
+over the optimiser(s) and scheduler of ``configure_optimizers`` and attaches it through the
+optimiser's step hooks (automatic optimisation with closures, gradient accumulation and
+clipping need nothing more). Probe batches are ``module(batch)`` inputs from
+``probe_dataset``: a ``DataLoader``, or a dataset batched like the training loader. The
+callback's ``state_dict`` goes into Lightning checkpoints and ``ckpt_path=`` resumes it.
+FSLRs (``fslr/<tensor>``) and FLeRM's rates (``flerm_lr/<tensor>``) are logged with
+``module.log_dict`` at ``on_train_batch_end``; ``FSLRCallback`` writes
+``<default_root_dir>/fslr_record.json`` at the end of training.
+
+Example:
+    >>> from fslr_func.integrations.lightning import FLeRMCallback
+    >>> from fslr_func import FSLRRecord
+    >>> base = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"base_lr": 0.1})
+    >>> FLeRMCallback(base, [], mode="periodic").session.options
+    {'mode': 'periodic'}
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader
+
+from ..record import FSLRRecord
+from .session import RECORD_FILE, Session
+
+__all__ = ["FLeRMCallback", "FSLRCallback"]
+
+
+class _Callback(pl.Callback):
+    def __init__(
+        self,
+        base: FSLRRecord | str | os.PathLike[str] | None,
+        probe_dataset: Iterable[Any],
+        fslr_options: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        self.probe_dataset = probe_dataset
+        self.session = Session(base, fslr_options=fslr_options, options=options)
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        probes = self.probe_dataset
+        if not isinstance(probes, DataLoader):
+            batch_size = getattr(trainer.train_dataloader, "batch_size", None) or 1
+            probes = DataLoader(probes, batch_size=batch_size)  # type: ignore[arg-type]
+        optimizers = trainer.optimizers
+        configs = trainer.lr_scheduler_configs
+        scheduler = configs[0].scheduler if configs else None
+        if self.session.base is not None and len(optimizers) != 1:
+            raise ValueError(
+                "FLeRMCallback drives one optimiser; with several, use fslr_func.FLeRM per "
+                "optimiser (see docs/integrations.md)"
+            )
+        optimizer: Any = optimizers[0] if len(optimizers) == 1 else optimizers
+        self.session.start(pl_module, optimizer, scheduler, probes)
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        scalars = self.session.pop_scalars()
+        if scalars:
+            pl_module.log_dict(scalars)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.session.stop()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.session.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.session.load_state_dict(state_dict)
+
+
+class FSLRCallback(_Callback):
+    """Records the run's FSLRs into ``<default_root_dir>/fslr_record.json``.
+
+    Args:
+        probe_dataset: model inputs (a dataset or a ``DataLoader``), separate from training.
+        fslr_options: options of :func:`fslr_func.with_fslr` (``samples``, ``seed``...).
+        **recorder_options: options of :class:`fslr_func.Recorder`.
+    """
+
+    def __init__(
+        self,
+        probe_dataset: Iterable[Any],
+        *,
+        fslr_options: Mapping[str, Any] | None = None,
+        **recorder_options: Any,
+    ) -> None:
+        super().__init__(None, probe_dataset, fslr_options, recorder_options)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        super().on_train_end(trainer, pl_module)
+        record = self.session.record()
+        if len(record) and trainer.is_global_zero:
+            os.makedirs(trainer.default_root_dir, exist_ok=True)
+            record.save(os.path.join(trainer.default_root_dir, RECORD_FILE))
+
+
+class FLeRMCallback(_Callback):
+    """Sets the per-tensor learning rates with FLeRM from a base record (or a path to one).
+
+    Args:
+        base: the base run's :class:`~fslr_func.FSLRRecord` or a path to one.
+        probe_dataset: model inputs (a dataset or a ``DataLoader``), separate from training.
+        fslr_options: options of :func:`fslr_func.with_fslr`.
+        **flerm_options: options of :class:`fslr_func.FLeRM`.
+    """
+
+    def __init__(
+        self,
+        base: FSLRRecord | str | os.PathLike[str],
+        probe_dataset: Iterable[Any],
+        *,
+        fslr_options: Mapping[str, Any] | None = None,
+        **flerm_options: Any,
+    ) -> None:
+        super().__init__(base, probe_dataset, fslr_options, flerm_options)

@@ -1,0 +1,166 @@
+"""What a trainer callback holds: the wrapper, a Recorder or FLeRM attached to the optimiser.
+
+A trainer builds the model's optimiser and scheduler itself, and restores a checkpoint before
+or after the callback sees them; :class:`Session` takes the callback's options at
+construction (checked then), builds ``with_fslr(model)`` and the controller once the trainer
+has its optimiser (:meth:`Session.start`), attaches it through the optimiser's step hooks,
+keeps a state loaded before that until it can apply it, and buffers the scalars to log.
+
+Example:
+    >>> import torch, fslr_func as ff
+    >>> from fslr_func.integrations.session import Session
+    >>> net = torch.nn.Linear(4, 2)
+    >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    >>> s = Session(None, fslr_options={"samples": 2, "seed": 0}, options={"every": 1,
+    ...             "warmup_samples": 2})
+    >>> s.start(net, opt, None, [torch.randn(8, 4)])
+    >>> for _ in range(2):
+    ...     net(torch.randn(8, 4)).square().mean().backward()
+    ...     opt.step()
+    >>> s.stop()
+    >>> s.record().steps, sorted(s.pop_scalars())
+    ([0, 1], ['fslr/bias', 'fslr/weight'])
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..flerm import FLeRM
+from ..functional import Inputs
+from ..record import FSLRRecord
+from ..recorder import Recorder
+from ..step_hooks import StepHooks
+from ..transform import FSLRModule
+from ..wrap import with_fslr
+
+__all__ = ["RECORD_FILE", "STATE_FILE", "Session", "load_base"]
+
+RECORD_FILE = "fslr_record.json"
+"""Name of the base record a recording callback writes into the trainer's output folder."""
+
+STATE_FILE = "fslr_state.pt"
+"""Name of the callback's state file in a Hugging Face checkpoint folder."""
+
+_RESERVED = ("fm", "probe_batches", "optimizer", "scheduler", "log_fn")
+
+
+def load_base(base: FSLRRecord | str | os.PathLike[str]) -> FSLRRecord:
+    """``base`` itself, or the record saved at that path.
+
+    Raises:
+        TypeError: neither a record nor a path.
+    """
+    if isinstance(base, FSLRRecord):
+        return base
+    if isinstance(base, (str, os.PathLike)):
+        return FSLRRecord.load(base)
+    raise TypeError(f"base must be an FSLRRecord or a path to one, got {type(base).__name__}")
+
+
+class Session:
+    """A Recorder (``base=None``) or a FLeRM (``base`` a record) for one training run.
+
+    Args:
+        base: ``None`` to record; else the base :class:`~fslr_func.record.FSLRRecord` (or a
+            path to one) that FLeRM matches.
+        fslr_options: options of :func:`fslr_func.with_fslr` (``samples``, ``seed``,
+            ``output_fn``...).
+        options: options of :class:`~fslr_func.recorder.Recorder` or
+            :class:`~fslr_func.flerm.FLeRM` (``every``, ``warmup_samples``, ``mode``...).
+
+    Raises:
+        TypeError, ValueError: an option the callback sets itself (``optimizer``,
+            ``scheduler``, ``probe_batches``, ``log_fn``) or a bad base.
+    """
+
+    def __init__(
+        self,
+        base: FSLRRecord | str | os.PathLike[str] | None,
+        *,
+        fslr_options: Mapping[str, Any] | None = None,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        self.base = None if base is None else load_base(base)
+        self.fslr_options = dict(fslr_options or {})
+        self.options = dict(options or {})
+        taken = [k for k in _RESERVED if k in self.options]
+        if taken:
+            raise ValueError(
+                f"the callback sets {taken} itself from the trainer: leave them out of its options"
+            )
+        self.fm: FSLRModule | None = None
+        self.controller: Recorder | FLeRM | None = None
+        self._hooks: StepHooks | None = None
+        self._pending: Mapping[str, Any] | None = None
+        self._scalars: dict[str, float] = {}
+
+    def start(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        probe_batches: Iterable[Inputs],
+    ) -> None:
+        """Wrap ``model``, build the controller over the trainer's optimiser and attach it."""
+        self.stop()
+        self.fm = with_fslr(model, **self.fslr_options)
+        common = {"log_fn": self._log, "scheduler": scheduler, **self.options}
+        if self.base is None:
+            self.controller = Recorder(self.fm, probe_batches, optimizer=optimizer, **common)
+        else:
+            self.controller = FLeRM(
+                self.fm, optimizer, self.base, probe_batches=probe_batches, **common
+            )
+        if self._pending is not None:
+            self._apply(self._pending)
+            self._pending = None
+        self._hooks = self.controller.attach()
+
+    def stop(self) -> None:
+        """Detach from the optimiser (hooks removed, param groups back)."""
+        if self._hooks is not None:
+            self._hooks.detach()
+            self._hooks = None
+
+    def record(self) -> FSLRRecord:
+        """The base record being filled (recording sessions only).
+
+        Raises:
+            RuntimeError: not a recording session, or not started.
+        """
+        if not isinstance(self.controller, Recorder):
+            raise RuntimeError("no base run is being recorded (start a recording session first)")
+        return self.controller.record
+
+    def _log(self, step: int, scalars: dict[str, float]) -> None:
+        self._scalars.update(scalars)
+
+    def pop_scalars(self) -> dict[str, float]:
+        """The latest value of every scalar logged since the last call."""
+        out, self._scalars = self._scalars, {}
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        """The controller's and the wrapper's state (EMAs, omega generator)."""
+        if self.controller is None or self.fm is None:
+            return dict(self._pending or {})
+        return {"controller": self.controller.state_dict(), "fm": self.fm.get_extra_state()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`state_dict`, now or when :meth:`start` has built the controller."""
+        if self.controller is None:
+            self._pending = state
+        else:
+            self._apply(state)
+
+    def _apply(self, state: Mapping[str, Any]) -> None:
+        assert self.controller is not None and self.fm is not None
+        if state:
+            self.controller.load_state_dict(state["controller"])
+            self.fm.set_extra_state(state["fm"])

@@ -1,0 +1,256 @@
+"""Hugging Face ``Trainer`` callbacks: record a base run, or drive a scaled run with FLeRM.
+
+Add one callback to the ``Trainer`` you already have; pass it your plain model, as usual::
+
+    Trainer(model=model, args=args, train_dataset=train, callbacks=[FSLRCallback(probe)])
+    Trainer(model=wide, args=args, train_dataset=train,
+            callbacks=[FLeRMCallback("base/fslr_record.json", probe)])
+
+The callbacks find the model, the optimiser (unwrapped from ``accelerate``) and the scheduler
+the ``Trainer`` built, and attach through the optimiser's step hooks, so gradient
+accumulation, clipping and mixed precision need nothing more. Probe batches are drawn from
+``probe_dataset`` with the ``Trainer``'s own data collator and per-device batch size, in order
+(``labels`` dropped, ``use_cache=False``). The state (controller and the wrapper's EMAs) is
+saved as ``fslr_state.pt`` in each checkpoint folder and loaded by ``resume_from_checkpoint``
+(from ``output_dir/checkpoint-<step>``). ``FSLRCallback`` writes the record to
+``output_dir/fslr_record.json`` at every checkpoint and at the end. At each ``on_log`` the
+latest FSLRs (``fslr/<tensor>``) and FLeRM rates (``flerm_lr/<tensor>``) are added to the
+logs and to ``state.log_history``. The ``Trainer`` puts the reporting callbacks of
+``report_to`` (TensorBoard, W&B...) before yours, so they report the logs before this callback
+adds to them: :func:`log_to_reporters` moves the FSLR callbacks before them.
+
+Example:
+    >>> from fslr_func.integrations.transformers import FSLRCallback
+    >>> cb = FSLRCallback([{"input_ids": [1, 2, 3]}], every=50)
+    >>> cb.session.options
+    {'every': 50}
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+
+from ..record import FSLRRecord
+from .session import RECORD_FILE, STATE_FILE, Session
+
+if TYPE_CHECKING:
+    from transformers import Trainer
+
+__all__ = ["FLeRMCallback", "FSLRCallback", "log_to_reporters", "logits"]
+
+
+def logits(output: Any) -> Any:
+    """A Hugging Face model output's ``logits`` (the output itself if it has none)."""
+    return getattr(output, "logits", output)
+
+
+def _out(args: TrainingArguments) -> str:
+    return str(args.output_dir)
+
+
+def log_to_reporters(trainer: Trainer) -> None:
+    """Let the ``Trainer``'s reporters (``report_to``: TensorBoard, W&B...) report the FSLR
+    callbacks' ``fslr/`` and ``flerm_lr/`` scalars.
+
+    The ``Trainer`` calls its reporting callbacks before the ones you pass, and each reporter
+    sends the logs on at once; this moves ``trainer``'s :class:`FSLRCallback` and
+    :class:`FLeRMCallback` to just before the first reporter, so the logs they see carry the
+    FSLR scalars. Call it once, after building the ``Trainer`` and before ``train()``.
+
+    Raises:
+        ValueError: ``trainer`` has no FSLR callback.
+
+    Example:
+        >>> trainer.add_callback(FLeRMCallback(base, probes))  # doctest: +SKIP
+        >>> log_to_reporters(trainer)  # doctest: +SKIP
+    """
+    callbacks = trainer.callback_handler.callbacks
+    ours = [c for c in callbacks if isinstance(c, _Callback)]
+    if not ours:
+        raise ValueError("the Trainer has no FSLRCallback or FLeRMCallback to move")
+    rest = [c for c in callbacks if not isinstance(c, _Callback)]
+    reporters = tuple(INTEGRATION_TO_CALLBACK.values())
+    first = next((i for i, c in enumerate(rest) if isinstance(c, reporters)), len(rest))
+    callbacks[:] = rest[:first] + ours + rest[first:]
+    for callback in ours:
+        callback.before_reporters = True
+
+
+class _ProbeInputs:
+    """Re-iterable probe batches: collated dicts without ``labels``, ``use_cache=False``."""
+
+    def __init__(self, loader: DataLoader[Any], use_cache: bool) -> None:
+        self.loader = loader
+        self.use_cache = use_cache
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for batch in self.loader:
+            inputs = {k: v for k, v in dict(batch).items() if k != "labels"}
+            if self.use_cache:
+                inputs["use_cache"] = False
+            yield inputs
+
+
+class _Callback(TrainerCallback):
+    def __init__(
+        self,
+        base: FSLRRecord | str | os.PathLike[str] | None,
+        probe_dataset: Iterable[Any],
+        fslr_options: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        self.probe_dataset = probe_dataset
+        self.session = Session(
+            base, fslr_options={"output_fn": logits, **(fslr_options or {})}, options=options
+        )
+        self.before_reporters = False
+
+    def on_train_begin(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        model: torch.nn.Module | None = None,
+        optimizer: Any = None,
+        lr_scheduler: Any = None,
+        train_dataloader: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if model is None or optimizer is None:
+            raise RuntimeError("the Trainer passed no model or optimizer to the callback")
+        if args.report_to and not self.before_reporters:
+            warnings.warn(
+                f"the Trainer's reporters ({', '.join(args.report_to)}) run before "
+                f"{type(self).__name__} and will not report fslr/ and flerm_lr/ (they are in "
+                "state.log_history): call fslr_func.integrations.transformers."
+                "log_to_reporters(trainer) before trainer.train()",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        collate = getattr(train_dataloader, "collate_fn", None)
+        loader: DataLoader[Any] = DataLoader(
+            self.probe_dataset,  # type: ignore[arg-type]
+            batch_size=args.per_device_train_batch_size,
+            collate_fn=collate,
+        )
+        use_cache = "use_cache" in inspect.signature(model.forward).parameters
+        if state.global_step > 0:
+            self._resume(os.path.join(_out(args), f"checkpoint-{state.global_step}"))
+        self.session.start(model, optimizer, lr_scheduler, _ProbeInputs(loader, use_cache))
+
+    def _resume(self, folder: str) -> None:
+        path = os.path.join(folder, STATE_FILE)
+        if not os.path.isfile(path):
+            warnings.warn(
+                f"resuming at {folder!r} without {STATE_FILE}: the FSLR state starts afresh",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            return
+        self.session.load_state_dict(torch.load(path, weights_only=False))
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        folder = os.path.join(_out(args), f"checkpoint-{state.global_step}")
+        if os.path.isdir(folder):
+            torch.save(self.session.state_dict(), os.path.join(folder, STATE_FILE))
+
+    def on_log(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        logs: dict[str, Any] | None = None,
+        **kw: Any,
+    ) -> None:
+        scalars = self.session.pop_scalars()
+        if logs is not None:
+            logs.update(scalars)
+        if state.log_history:
+            state.log_history[-1].update(scalars)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        self.session.stop()
+
+
+class FSLRCallback(_Callback):
+    """Records the Trainer's run into an FSLR record (``output_dir/fslr_record.json``).
+
+    Args:
+        probe_dataset: examples of model inputs (a dataset the Trainer's collator takes),
+            separate from the training set.
+        fslr_options: options of :func:`fslr_func.with_fslr` (``samples``, ``seed``...);
+            ``output_fn`` defaults to the output's ``logits``.
+        **recorder_options: options of :class:`fslr_func.Recorder` (``every``,
+            ``warmup_samples``, ``start_step``, ``base_lr``, ``meta``).
+
+    Attributes:
+        session: the :class:`~fslr_func.integrations.session.Session`; ``session.record()``
+            is the record once training has begun.
+    """
+
+    def __init__(
+        self,
+        probe_dataset: Iterable[Any],
+        *,
+        fslr_options: Mapping[str, Any] | None = None,
+        **recorder_options: Any,
+    ) -> None:
+        super().__init__(None, probe_dataset, fslr_options, recorder_options)
+
+    def on_save(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        super().on_save(args, state, control, **kw)
+        self._write(args)
+
+    def on_train_end(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
+    ) -> None:
+        super().on_train_end(args, state, control, **kw)
+        self._write(args)
+
+    def _write(self, args: TrainingArguments) -> None:
+        record = self.session.record()
+        if len(record):
+            os.makedirs(_out(args), exist_ok=True)
+            record.save(os.path.join(_out(args), RECORD_FILE))
+
+
+class FLeRMCallback(_Callback):
+    """Sets the Trainer's per-tensor learning rates with FLeRM from a base record.
+
+    The Trainer's scheduler (warm-up from 0 included) multiplies the matched rates; FLeRM's set
+    point waits for the first step with a non-zero rate.
+
+    Args:
+        base: the base run's :class:`~fslr_func.FSLRRecord`, or a path to one (the
+            ``fslr_record.json`` an :class:`FSLRCallback` wrote).
+        probe_dataset: examples of model inputs, separate from the training set.
+        fslr_options: options of :func:`fslr_func.with_fslr`; use the base run's estimator
+            and grouping.
+        **flerm_options: options of :class:`fslr_func.FLeRM` (``policy``, ``mode``,
+            ``every``, ``warmup_samples``, ``start_step``, ``min_fslr``).
+    """
+
+    def __init__(
+        self,
+        base: FSLRRecord | str | os.PathLike[str],
+        probe_dataset: Iterable[Any],
+        *,
+        fslr_options: Mapping[str, Any] | None = None,
+        **flerm_options: Any,
+    ) -> None:
+        super().__init__(base, probe_dataset, fslr_options, flerm_options)

@@ -1,0 +1,190 @@
+"""Drive a per-step controller from optimiser step hooks instead of a ``with`` block.
+
+:class:`~fslr_func.recorder.Recorder` and :class:`~fslr_func.flerm.FLeRM` work around one
+training step: their ``step()`` context manager is entered just before the optimiser updates
+the weights and exited just after. :class:`StepHooks` enters and exits that same context
+manager from ``torch.optim.Optimizer.register_step_pre_hook`` and
+``register_step_post_hook``, so any loop or framework that calls ``optimizer.step()``
+(Hugging Face ``Trainer`` and ``accelerate``, Lightning, gradient accumulation and clipping,
+a ``GradScaler``, whose skipped steps call no hook) is covered without editing the loop.
+
+A step of several optimisers (Muon on the matrices, AdamW on the rest) is one *round*: the
+context manager is entered at the first optimiser's pre-hook and exited once every optimiser
+has stepped. If an ``optimizer.step()`` raises, its post-hook never runs; the open round is
+then abandoned (exited with :class:`StepAborted`, so FLeRM puts your param groups back and
+nothing is recorded) at the next pre-hook of that optimiser or at :meth:`StepHooks.detach`,
+whichever comes first. Steps the controller takes itself (FLeRM re-applies a set-point step
+with ``optimizer.step()``) do not start a round.
+
+Example:
+    >>> import torch
+    >>> w = torch.nn.Parameter(torch.ones(2))
+    >>> opt = torch.optim.SGD([w], lr=0.1)
+    >>> log = []
+    >>> import contextlib
+    >>> @contextlib.contextmanager
+    ... def step():
+    ...     log.append("enter")
+    ...     yield
+    ...     log.append("exit")
+    >>> with StepHooks(step, [opt]):
+    ...     w.grad = torch.ones(2)
+    ...     opt.step()
+    >>> opt.step()  # detached: no hook
+    >>> log
+    ['enter', 'exit']
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+
+__all__ = ["StepAborted", "StepHooks", "unwrap_optimizer", "unwrap_scheduler"]
+
+
+class StepAborted(RuntimeError):
+    """Thrown into a controller's open step when its ``optimizer.step()`` did not finish."""
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The ``torch.optim`` optimiser inside framework wrappers (accelerate, Lightning).
+
+    ``accelerate``'s ``AcceleratedOptimizer`` keeps it as ``.optimizer``, Lightning's
+    ``LightningOptimizer`` as ``._optimizer``; anything else is returned as it is.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> class Wrapper:
+        ...     optimizer = opt
+        >>> unwrap_optimizer(Wrapper()) is opt, unwrap_optimizer(opt) is opt
+        (True, True)
+    """
+    seen = {id(optimizer)}
+    while True:
+        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
+        if not isinstance(inner, torch.optim.Optimizer) or id(inner) in seen:
+            return optimizer
+        seen.add(id(inner))
+        optimizer = inner
+
+
+def unwrap_scheduler(scheduler: Any) -> Any:
+    """The ``torch.optim.lr_scheduler`` scheduler inside ``accelerate``'s wrapper, if any.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> s = torch.optim.lr_scheduler.StepLR(opt, 1)
+        >>> unwrap_scheduler(s) is s
+        True
+    """
+    inner = getattr(scheduler, "scheduler", None)
+    return inner if isinstance(inner, torch.optim.lr_scheduler.LRScheduler) else scheduler
+
+
+class StepHooks:
+    """Enters ``step()`` before every round of optimiser steps and exits it after.
+
+    Args:
+        step: the controller's context-manager factory (``recorder.step``, ``flerm.step``).
+        optimizers: the optimisers whose steps make up one training step.
+
+    The hooks stay until :meth:`detach` (or the end of a ``with`` block over this object),
+    which removes them and abandons a round left open by an exception.
+    """
+
+    def __init__(
+        self,
+        step: Callable[[], contextlib.AbstractContextManager[Any]],
+        optimizers: Sequence[torch.optim.Optimizer],
+    ) -> None:
+        if not optimizers:
+            raise ValueError("StepHooks needs at least one optimiser to attach to")
+        self._step = step
+        self._optimizers = list(optimizers)
+        self._open: contextlib.AbstractContextManager[Any] | None = None
+        self._entered: set[int] = set()
+        self._stepped: set[int] = set()
+        self._busy = False
+        self._handles = [
+            h
+            for opt in self._optimizers
+            for h in (
+                opt.register_step_pre_hook(self._pre),
+                opt.register_step_post_hook(self._post),
+            )
+        ]
+
+    @property
+    def attached(self) -> bool:
+        """Whether the hooks are still registered."""
+        return bool(self._handles)
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._busy:
+            return
+        key = id(optimizer)
+        if self._open is not None and key in self._entered - self._stepped:
+            warnings.warn(
+                "the previous optimizer.step() did not finish (it raised): its measurement is "
+                "discarded and the param groups were put back",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+            self._abort()
+        elif self._open is not None and key in self._stepped:
+            self._close()  # another optimiser of the round was skipped: the round is over
+        if self._open is None:
+            manager = self._step()
+            self._run(manager.__enter__)
+            self._open = manager
+            self._entered, self._stepped = set(), set()
+        self._entered.add(key)
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self._busy or self._open is None:
+            return
+        self._stepped.add(id(optimizer))
+        if len(self._stepped) == len(self._optimizers):
+            self._close()
+
+    def _run(self, fn: Callable[[], Any]) -> None:
+        self._busy = True
+        try:
+            fn()
+        finally:
+            self._busy = False
+
+    def _close(self) -> None:
+        manager, self._open = self._open, None
+        if manager is not None:
+            self._run(lambda: manager.__exit__(None, None, None))
+
+    def _abort(self) -> None:
+        manager, self._open = self._open, None
+        if manager is not None:
+            err = StepAborted("optimizer.step() did not finish")
+            self._run(lambda: manager.__exit__(StepAborted, err, None))
+
+    def detach(self) -> None:
+        """Remove the hooks; a round left open by an exception is abandoned (groups put back)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._abort()
+
+    def __enter__(self) -> StepHooks:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.detach()

@@ -1,0 +1,178 @@
+"""Recorder and FLeRM driven by optimiser step hooks: equal to the ``with`` forms, exact
+detaching (also after an exception), several optimisers, wrapped optimisers, LBFGS."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fslr_func as ff
+from fslr_func.record import FSLRRecord
+from fslr_func.recorder import Recorder
+from fslr_func.step_hooks import StepHooks
+
+
+def model(seed: int = 0, width: int = 10) -> ff.FSLRModule:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3)).double()
+    return ff.with_fslr(net, samples=4, seed=1, strategy="loop")
+
+
+def stream(seed: int = 0) -> Iterator[Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(8, 6, generator=g, dtype=torch.float64)
+
+
+def backward(fm: ff.FSLRModule, t: int) -> None:
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 + t), dtype=torch.float64)
+    fm(x).square().mean().backward()
+
+
+def train(
+    fm: ff.FSLRModule,
+    opts: list[torch.optim.Optimizer],
+    steps: int,
+    around: Callable[[], Any] | None = None,
+) -> None:
+    for t in range(steps):
+        for o in opts:
+            o.zero_grad()
+        backward(fm, t)
+        with around() if around is not None else _nothing():
+            for o in opts:
+                o.step()
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+def base_record() -> FSLRRecord:
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=2)
+    with rec.attach():
+        train(fm, [opt], 5)
+    return rec.record
+
+
+def test_attached_recorder_records_what_the_with_form_records() -> None:
+    records = []
+    for hooks in (False, True):
+        fm = model()
+        opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+        rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=2)
+        if hooks:
+            handle = rec.attach()
+            train(fm, [opt], 5)
+            handle.detach()
+        else:
+            train(fm, [opt], 5, around=rec.step)
+        records.append(rec.record)
+    assert records[0] == records[1]
+    assert records[0].steps == [0, 2, 4]
+
+
+def test_attached_flerm_equals_the_with_form_and_detaches_exactly() -> None:
+    base = base_record()
+    out = []
+    for hooks in (False, True):
+        fm = model(width=20)
+        opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+        groups = opt.param_groups
+        flerm = ff.FLeRM(fm, opt, base, probe_batches=stream(3), warmup_samples=8)
+        if hooks:
+            with flerm.attach() as handle:
+                train(fm, [opt], 3)
+            assert not handle.attached
+        else:
+            train(fm, [opt], 3, around=flerm.step)
+        assert opt.param_groups is groups and len(groups) == 1
+        out.append([p.detach().clone() for p in fm.parameters()])
+        assert [p.step for p in flerm.history] == [0]
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class Boom(torch.optim.SGD):
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        raise RuntimeError("boom")
+
+
+def test_exception_in_step_puts_groups_back_and_records_nothing() -> None:
+    base = base_record()
+    fm = model(width=20)
+    opt = Boom(fm.parameters(), lr=1e-2)
+    groups = opt.param_groups
+    flerm = ff.FLeRM(fm, opt, base, probe_batches=stream(3), warmup_samples=8)
+    handle = flerm.attach()
+    backward(fm, 0)
+    with pytest.raises(RuntimeError, match="boom"):
+        opt.step()
+    assert opt.param_groups is not groups  # swapped while the step is open
+    handle.detach()
+    assert opt.param_groups is groups and flerm.t == 0 and not flerm.history
+    assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks
+    # and the next step after a failure abandons the open one with a warning
+    flerm.attach()
+    with pytest.raises(RuntimeError):
+        opt.step()
+    with pytest.warns(RuntimeWarning, match="did not finish"), pytest.raises(RuntimeError):
+        opt.step()
+
+
+def test_two_optimisers_are_one_recorded_step() -> None:
+    fm = model()
+    matrices = [p for p in fm.parameters() if p.dim() == 2]
+    vectors = [p for p in fm.parameters() if p.dim() < 2]
+    muon_like = torch.optim.SGD(matrices, lr=0.05, momentum=0.9)
+    adamw = torch.optim.AdamW(vectors, lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=[muon_like, adamw], warmup_samples=8, every=2)
+    calls: list[int] = []
+    fold = fm.fold
+    fm.fold = lambda *a, **k: calls.append(1) or fold(*a, **k)  # type: ignore[method-assign]
+    with rec.attach():
+        train(fm, [muon_like, adamw], 3)
+    assert rec.record.steps == [0, 2] and rec.t == 3
+    assert sorted(rec.record.names) == sorted(n for n, _ in fm.module.named_parameters())
+    assert len(calls) == 2  # one probe round per recorded step, not one per optimiser
+    assert rec.record.lrs_at(2)["0.weight"] == 0.05 and rec.record.lrs_at(2)["0.bias"] == 1e-2
+    # FLeRM: one per optimiser from the same record (each drives the tensors it holds)
+    fm2 = model(width=20)
+    m2 = [p for p in fm2.parameters() if p.dim() == 2]
+    v2 = [p for p in fm2.parameters() if p.dim() < 2]
+    o1, o2 = torch.optim.SGD(m2, lr=0.05, momentum=0.9), torch.optim.AdamW(v2, lr=1e-2)
+    f1 = ff.FLeRM(fm2, o1, rec.record, probe_batches=stream(5), warmup_samples=8)
+    f2 = ff.FLeRM(fm2, o2, rec.record, probe_batches=stream(6), warmup_samples=8)
+    assert f1.names == ["0.weight", "2.weight"] and f2.names == ["0.bias", "2.bias"]
+    with f1.attach(), f2.attach():
+        train(fm2, [o1, o2], 2)
+    assert sorted(f1.history[0].lrs) == ["0.weight", "2.weight"]
+    assert all(v > 0 for v in f2.history[0].lrs.values())
+
+
+def test_wrapped_optimiser_is_unwrapped_and_lbfgs_is_refused() -> None:
+    base = base_record()
+    fm = model(width=20)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+
+    class Wrapper:  # accelerate's AcceleratedOptimizer keeps the optimiser as .optimizer
+        optimizer = opt
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0)
+    flerm = ff.FLeRM(fm, Wrapper(), base, probe_batches=stream(), scheduler=sched)  # type: ignore[arg-type]
+    assert flerm.optimizer is opt
+    lbfgs = torch.optim.LBFGS(fm.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match="LBFGS"):
+        ff.FLeRM(fm, lbfgs, base, probe_batches=stream())
+    with pytest.raises(ValueError, match="at least one"):
+        StepHooks(lambda: _nothing(), [])  # type: ignore[arg-type,return-value]

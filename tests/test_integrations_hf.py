@@ -1,0 +1,131 @@
+"""The Hugging Face Trainer callbacks with the real ``transformers.Trainer``: record, FLeRM with
+a warm-up from 0 and gradient accumulation, checkpoint and exact resume, logs; and logging to
+TensorBoard event files through ``log_fn``, read back."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fslr_func.record import FSLRRecord
+
+pytest.importorskip("transformers")
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
+
+
+def example() -> Any:
+    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def check(tmp_path: Path, arch: str) -> None:
+    full, resumed = example().main(str(tmp_path), steps=2, arch=arch)
+    record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
+    assert record.steps == [1]  # the warm-up from 0 makes step 0 unmeasurable
+    assert record.meta["sched_per_step"][0] == 0.0 and record.meta["sched_per_step"][1] > 0
+    assert (tmp_path / "wide" / "checkpoint-1" / "fslr_state.pt").is_file()
+    for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    logged = {k for entry in full.state.log_history for k in entry}
+    assert any(k.startswith("flerm_lr/") for k in logged)
+    assert any(k.startswith("fslr/") for k in logged)
+    state = json.loads((tmp_path / "wide" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+
+
+def test_trainer_gpt2_record_flerm_checkpoint_resume(tmp_path: Path) -> None:
+    check(tmp_path, "gpt2")
+
+
+@pytest.mark.slow
+def test_trainer_llama_record_flerm_checkpoint_resume(tmp_path: Path) -> None:
+    check(tmp_path, "llama")
+
+
+def test_log_fn_writes_tensorboard_events_and_record_exports(tmp_path: Path) -> None:
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    from torch.utils.tensorboard import SummaryWriter
+
+    import fslr_func as ff
+
+    torch.manual_seed(0)
+    fm = ff.with_fslr(torch.nn.Linear(4, 3), samples=2, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    writer = SummaryWriter(str(tmp_path / "tb"))
+    rec = ff.Recorder(
+        fm, [torch.randn(8, 4)], optimizer=opt, warmup_samples=2, every=1,
+        log_fn=lambda t, s: writer.add_scalars("fslr", s, t),
+    )  # fmt: skip
+    with rec.attach():
+        for _ in range(3):
+            opt.zero_grad()
+            fm(torch.randn(8, 4)).square().mean().backward()
+            opt.step()
+    writer.close()
+    tb = tmp_path / "tb"
+    runs = sorted({str(p.parent.relative_to(tb)) for p in tb.rglob("events.out.tfevents.*")})
+    assert runs == [".", "fslr_fslr/bias", "fslr_fslr/weight"]
+    acc = event_accumulator.EventAccumulator(str(tb / runs[2]))
+    acc.Reload()
+    events = acc.Scalars("fslr")
+    assert [e.step for e in events] == [0, 1, 2]
+    assert [e.value for e in events] == pytest.approx(rec.record.fslr["weight"], rel=1e-6)
+    rec.record.to_csv(tmp_path / "r.csv")
+    lines = (tmp_path / "r.csv").read_text().splitlines()
+    assert lines[0] == "step,sched,fslr/weight,fslr/bias,lr/weight,lr/bias" and len(lines) == 4
+    assert [r["step"] for r in rec.record.to_rows()] == [0, 1, 2]
+    if importlib.util.find_spec("pandas") is None:
+        with pytest.raises(ImportError, match="pip install pandas"):
+            rec.record.to_pandas()
+
+
+@pytest.mark.parametrize("moved", [True, False])
+def test_report_to_tensorboard_reports_fslr_after_log_to_reporters(
+    tmp_path: Path, moved: bool
+) -> None:
+    event_accumulator = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator"
+    )
+    import transformers
+
+    from fslr_func.integrations.transformers import FSLRCallback, log_to_reporters
+
+    ex = example()
+    callback = FSLRCallback(ex.dataset(8, offset=10_000), every=1, warmup_samples=4)
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
+        logging_steps=1, report_to=["tensorboard"],
+        use_cpu=True, disable_tqdm=True, save_strategy="no",
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=ex.build("gpt2", 16), args=args, train_dataset=ex.dataset(8),
+        data_collator=transformers.default_data_collator, callbacks=[callback],
+    )  # fmt: skip
+    if moved:
+        log_to_reporters(trainer)
+        names = [type(c).__name__ for c in trainer.callback_handler.callbacks]
+        assert names.index("FSLRCallback") < names.index("TensorBoardCallback")
+        trainer.train()
+    else:
+        with pytest.warns(RuntimeWarning, match=r"log_to_reporters\(trainer\)"):
+            trainer.train()
+    acc = event_accumulator.EventAccumulator(str(next(tmp_path.rglob("events.out.tfevents.*"))))
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    expected = "train/fslr/transformer.h.0.mlp.c_fc.weight"
+    assert ("train/loss" in tags) and ((expected in tags) == moved)
+    if moved:
+        logged = [e["fslr/transformer.h.0.mlp.c_fc.weight"] for e in trainer.state.log_history
+                  if "loss" in e]  # fmt: skip
+        assert [e.value for e in acc.Scalars(expected)] == pytest.approx(logged, rel=1e-6)

@@ -1,0 +1,342 @@
+"""Silent zeros and NaNs become errors; a measured step never reads the device; a saved
+wrapper state only loads into a wrapper of the same configuration (issues 10 and 13)."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+import fslr_func as ff
+from fslr_func.experiments.models import ResMLP
+from fslr_func.flerm import FLeRM
+from fslr_func.recorder import Recorder
+
+
+class Checkpointed(nn.Module):
+    """A three-layer net whose middle (or first) layer runs under activation checkpointing."""
+
+    def __init__(self, *, reentrant: bool, first: bool = False) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+        self.reentrant, self.first = reentrant, first
+
+    def forward(self, x: Tensor) -> Tensor:
+        ckpt = lambda f, t: checkpoint(f, t, use_reentrant=self.reentrant)  # noqa: E731
+        h = torch.tanh(ckpt(self.a, x) if self.first else self.a(x))
+        h = torch.tanh(self.b(h) if self.first else ckpt(self.b, h))
+        return self.c(h)
+
+
+class NoGradLayer(nn.Module):
+    """The middle layer runs under ``torch.no_grad``: its parameters leave the graph."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(4, 8), nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            skip = self.b(h)
+        return self.c(h + skip)
+
+
+def updates(model: nn.Module) -> dict[str, Tensor]:
+    torch.manual_seed(1)
+    return {n: 1e-2 * torch.randn_like(p) for n, p in model.named_parameters()}
+
+
+ONE_SHOT: dict[str, Callable[..., Any]] = {
+    "estimate": lambda m, x, d, **kw: ff.estimate(m, x, d, samples=2, **kw),
+    "exact": lambda m, x, d, **kw: ff.exact(m, x, d, **kw),
+}
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+@pytest.mark.parametrize("first", [False, True])
+def test_reentrant_checkpointing_is_an_error_not_a_zero(func: str, first: bool) -> None:
+    """Was: the checkpointed layer read exactly 0. torch raises for the inner segment itself
+    in plain autograd; the probe's own check names the cut tensors first."""
+    torch.manual_seed(0)
+    model, x = Checkpointed(reentrant=True, first=first), torch.randn(6, 4)
+    with pytest.raises((ValueError, RuntimeError), match="use_reentrant=False"):
+        ONE_SHOT[func](model, x, updates(model))
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_non_reentrant_checkpointing_measures_the_checkpointed_layer(func: str) -> None:
+    torch.manual_seed(0)
+    model, x = Checkpointed(reentrant=False, first=True), torch.randn(6, 4)
+    got = ONE_SHOT[func](model, x, updates(model))
+    assert all(float(v) > 0 for v in got.values())
+
+
+def test_measure_with_reentrant_checkpointing_raises_before_touching_the_ema() -> None:
+    torch.manual_seed(0)
+    fm = ff.with_fslr(Checkpointed(reentrant=True, first=True), samples=2, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    fm(torch.randn(6, 4)).sum().backward()
+    with (
+        pytest.raises(ValueError, match=r"cut \['a\.bias', 'a\.weight'\]"),
+        fm.measure(opt, torch.randn(6, 4)),
+    ):
+        opt.step()
+    assert fm.ema.log_m == {}
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "loop", "autograd"])
+def test_torch_no_grad_inside_the_model_is_an_error_for_the_probe(strategy: Any) -> None:
+    """Reverse mode cannot see through no_grad: the probe would read 0 for ``b``."""
+    torch.manual_seed(0)
+    model, x = NoGradLayer(), torch.randn(6, 4)
+    with pytest.raises(ValueError, match=r"cut \['b\.bias', 'b\.weight'\]"):
+        ff.estimate(model, x, updates(model), samples=2, strategy=strategy)
+
+
+def test_exact_sees_through_no_grad() -> None:
+    """Forward-mode AD ignores no_grad: ``exact`` measures ``b`` (the function does move)."""
+    torch.manual_seed(0)
+    model, x = NoGradLayer(), torch.randn(6, 4)
+    got = ff.exact(model, x, updates(model))
+    assert float(got["b.weight"]) > 0 and float(got["b.bias"]) > 0
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_a_detached_output_fn_is_an_error(func: str) -> None:
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="does not depend on any of the measured parameters"):
+        ONE_SHOT[func](model, x, updates(model), output_fn=lambda out: out.detach())
+
+
+def test_a_detached_output_fn_is_refused_when_the_wrapper_is_used() -> None:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    fm = ff.with_fslr(net, samples=2, output_fn=lambda out: out.detach())
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    fm(torch.randn(6, 4)).sum().backward()
+    with pytest.raises(ValueError, match="does not depend"), fm.measure(opt, torch.randn(6, 4)):
+        opt.step()
+
+
+class LoRA(nn.Module):
+    """``y = base(x) + B A x`` with ``B = 0`` at init, and an unused head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.base = nn.Linear(4, 3)
+        self.A = nn.Parameter(torch.randn(2, 4))
+        self.B = nn.Parameter(torch.zeros(3, 2))
+        self.unused = nn.Linear(4, 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.base(x) + x @ self.A.T @ self.B.T
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_tensors_that_really_do_not_move_the_function_still_read_zero(func: str) -> None:
+    """LoRA's A while B = 0, and a head the forward never uses: 0 is the right answer."""
+    torch.manual_seed(0)
+    model = LoRA()
+    got = ONE_SHOT[func](model, torch.randn(6, 4), updates(model))
+    assert float(got["A"]) == 0.0
+    assert float(got["unused.weight"]) == 0.0
+    assert float(got["B"]) > 0 and float(got["base.weight"]) > 0
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_non_finite_inputs_are_named(func: str, bad: float) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    x = torch.randn(6, 4)
+    x[2, 1] = bad
+    with pytest.raises(ValueError, match="NaN or Inf entries in positional input 0"):
+        ONE_SHOT[func](model, x, updates(model))
+    with pytest.raises(ValueError, match="NaN or Inf entries in input x="):
+        ONE_SHOT[func](model, {"input": x} if False else {"x": x}, updates(model))
+
+
+class Overflows(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) * 1e38 * 1e38  # inf in float32
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_an_output_that_overflows_is_an_error(func: str) -> None:
+    model = Overflows()
+    with pytest.raises(ValueError, match="output has NaN or Inf entries"):
+        ONE_SHOT[func](model, torch.randn(6, 4), updates(model))
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_a_zero_size_batch_is_an_error(func: str) -> None:
+    model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match=r"probe batch is empty: positional input 0 .*\(0, 4\)"):
+        ONE_SHOT[func](model, torch.randn(0, 4), updates(model))
+
+
+class WithEmpty(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.empty = nn.Parameter(torch.zeros(0, 4))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.lin(x) + (self.empty @ x.T).sum()
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_a_zero_size_parameter_is_named(func: str) -> None:
+    model = WithEmpty()
+    with pytest.raises(ValueError, match=r"zero-size tensors \['empty'\].*requires_grad_"):
+        ONE_SHOT[func](model, torch.randn(5, 4), updates(model))
+
+
+def test_the_wrapper_leaves_zero_size_parameters_out() -> None:
+    fm = ff.with_fslr(WithEmpty(), samples=2, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    fm(torch.randn(5, 4)).sum().backward()
+    with fm.measure(opt, torch.randn(5, 4)) as m:
+        opt.step()
+    assert set(m.fslr) == {"lin.weight", "lin.bias"}
+
+
+# ---------------------------------------------------------------- no host round-trips
+
+
+@contextlib.contextmanager
+def host_reads_raise() -> Iterator[list[str]]:
+    """Every way a tensor's value reaches the host raises inside the block."""
+    names = ["item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"]
+    saved = {n: getattr(Tensor, n) for n in names}
+    calls: list[str] = []
+
+    def refuse(name: str) -> Callable[..., Any]:
+        def method(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            raise AssertionError(f"Tensor.{name} called inside a probe: a host round-trip")
+
+        return method
+
+    for n in names:
+        setattr(Tensor, n, refuse(n))
+    try:
+        yield calls
+    finally:
+        for n, f in saved.items():
+            setattr(Tensor, n, f)
+
+
+@contextlib.contextmanager
+def counting_host_reads() -> Iterator[list[str]]:
+    """Counts the calls that read a tensor's value on the host (each one a GPU sync)."""
+    names = ["item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"]
+    saved = {n: getattr(Tensor, n) for n in names}
+    calls: list[str] = []
+
+    def counted(name: str) -> Callable[..., Any]:
+        def method(self: Tensor, *args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return saved[name](self, *args, **kwargs)
+
+        return method
+
+    for n in names:
+        setattr(Tensor, n, counted(n))
+    try:
+        yield calls
+    finally:
+        for n, f in saved.items():
+            setattr(Tensor, n, f)
+
+
+def resmlp(strategy: str) -> ff.FSLRModule:
+    torch.manual_seed(0)
+    return ff.with_fslr(ResMLP(6, 3, width=16, depth=2), samples=4, seed=0, strategy=strategy)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "loop"])
+def test_a_measured_step_never_reads_the_device(strategy: str) -> None:
+    fm = resmlp(strategy)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+    for _ in range(2):  # the first probe (strategy, readout detection) and a later one
+        opt.zero_grad()
+        nn.functional.cross_entropy(fm(x), y).backward()
+        batches = [torch.randn(8, 6), torch.randn(8, 6)]
+        with contextlib.ExitStack() as after_the_step, fm.measure(opt, batches) as m:
+            opt.step()  # Adam reads its step count: not the probe's doing
+            after_the_step.enter_context(host_reads_raise())
+    with counting_host_reads() as calls:
+        fslr = m.fslr
+        assert m.left_out == ()
+    assert calls == ["tolist"]  # reading the estimates: one synchronisation
+    assert set(fslr) == set(m.delta) and all(v.device.type == "cpu" for v in fslr.values())
+    assert {g for g in fm.generators} == {"cpu"}
+
+
+def test_flerm_synchronises_once_per_set_point_and_never_between() -> None:
+    base_fm = resmlp("vmap")
+    # SGD reads nothing on the host itself (Adam reads its step count).
+    opt = torch.optim.SGD(base_fm.parameters(), lr=1e-2, momentum=0.9)
+    probes = (torch.randn(8, 6) for _ in range(1000))
+    rec = Recorder(base_fm, probes, warmup_samples=4, every=2, optimizer=opt)
+    x, y = torch.randn(8, 6), torch.randint(0, 3, (8,))
+
+    def train(fm: ff.FSLRModule, opt: torch.optim.Optimizer, ctl: Any) -> list[int]:
+        reads = []
+        for _ in range(4):
+            opt.zero_grad()
+            nn.functional.cross_entropy(fm(x), y).backward()
+            with counting_host_reads() as calls, ctl.step():
+                opt.step()
+            reads.append(len(calls))
+        return reads
+
+    assert train(base_fm, opt, rec) == [1, 0, 1, 0]  # each recorded row: one read
+    fm = resmlp("vmap")
+    opt = torch.optim.SGD(fm.parameters(), lr=1e-2, momentum=0.9)
+    probes = (torch.randn(8, 6) for _ in range(1000))
+    flerm = FLeRM(fm, opt, rec.record, probe_batches=probes, mode="periodic", every=2)
+    assert train(fm, opt, flerm) == [1, 0, 1, 0]
+
+
+def test_two_wrappers_with_one_seed_draw_the_same_omegas() -> None:
+    a, b = resmlp("vmap"), resmlp("vmap")
+    x = torch.randn(8, 6)
+    delta = {n: 1e-2 * torch.ones_like(p) for n, p in a.module.named_parameters()}
+    assert a.observe(x, delta) == b.observe(x, delta)
+
+
+# ---------------------------------------------------------------- state checked on load
+
+
+def test_a_state_of_another_configuration_is_refused_unless_strict_is_off() -> None:
+    """Was: a state saved with beta=0.9 loaded into with_fslr(beta=0.5) silently set 0.9."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    saved = ff.with_fslr(net, beta=0.9, samples=2, seed=0)
+    saved.observe(torch.randn(6, 4), updates(net))
+    state = saved.state_dict()
+    other = ff.with_fslr(net, beta=0.5, samples=4, seed=0)
+    with pytest.raises(ValueError, match=r"beta: this wrapper 0\.5, saved 0\.9; samples"):
+        other.load_state_dict(state)
+    assert other.ema.log_m == {}
+    other.load_state_dict(state, strict=False)
+    assert other.beta == 0.5 and other.ema.log_m.keys() == saved.ema.log_m.keys()
+    same = ff.with_fslr(net, beta=0.9, samples=2, seed=5)
+    same.load_state_dict(state)
+    assert same.fslr() == saved.fslr()
+    assert same.probes == 1

@@ -1,0 +1,241 @@
+"""Steps that cannot be measured, warm-up from 0, continuous base schedules, tensors frozen
+mid-run, param groups added later, optimisers over a subset, and options checked on resume."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import fslr_func as ff
+from fslr_func.record import FSLRRecord
+from fslr_func.recorder import Recorder
+
+
+def model(seed: int = 0, width: int = 10) -> ff.FSLRModule:
+    torch.manual_seed(seed)
+    net = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3)).double()
+    return ff.with_fslr(net, samples=4, seed=1, strategy="loop")
+
+
+def stream(seed: int = 0) -> Iterator[Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        yield torch.randn(8, 6, generator=g, dtype=torch.float64)
+
+
+def backward(fm: ff.FSLRModule, t: int) -> None:
+    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 + t), dtype=torch.float64)
+    fm(x).square().mean().backward()
+
+
+def record(steps: int = 4, **kw: object) -> FSLRRecord:
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=2, **kw)  # type: ignore[arg-type]
+    with rec.attach():
+        for t in range(steps):
+            opt.zero_grad()
+            backward(fm, t)
+            opt.step()
+    return rec.record
+
+
+def test_skipped_step_is_not_folded_in_and_waits_for_the_next() -> None:
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=10)
+    opt.zero_grad(set_to_none=True)  # no gradient at all: the step changes nothing
+    with pytest.warns(RuntimeWarning, match="no parameter changed"), rec.step():
+        opt.step()
+    assert len(rec.record) == 0 and fm.fslr() == {}
+    backward(fm, 1)
+    with rec.step():
+        opt.step()
+    assert rec.record.steps == [1]
+    assert all(v > 0 for v in rec.record.at(1).values())  # not dragged to 0 (or halved)
+    counts = dict(fm.ema.counts)
+    # a later probe where one tensor has no gradient: its EMA is untouched, the others move on
+    for t in range(2, 12):
+        opt.zero_grad()
+        backward(fm, t)
+        fm.module[2].bias.grad = None
+        with rec.step():
+            opt.step()
+    assert fm.ema.counts["2.bias"] == counts["2.bias"]
+    assert fm.ema.counts["0.weight"] == counts["0.weight"] + 1
+    assert rec.record.at(11)["2.bias"] == rec.record.at(1)["2.bias"]
+
+
+def test_tensor_that_moves_but_not_the_function_reads_zero() -> None:
+    torch.manual_seed(0)
+    a, b = nn.Linear(6, 2, bias=False), nn.Linear(2, 3, bias=False)
+    nn.init.zeros_(b.weight)  # LoRA: B = 0, so A moves (weight decay) but f does not
+    fm = ff.with_fslr(nn.Sequential(a, b).double(), samples=4, seed=0, strategy="loop")
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1, weight_decay=0.1)
+    (fm(next(stream(1))) - 1).square().mean().backward()
+    with fm.measure(opt, next(stream())) as m:
+        opt.step()
+    assert "0.weight" in m.moved and float(m.fslr["0.weight"]) == 0.0
+    assert float(m.fslr["1.weight"]) > 0
+
+
+def test_warmup_from_zero_measures_at_the_first_nonzero_rate() -> None:
+    fm = model()
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: min(t / 3, 1.0))
+    rec = Recorder(fm, stream(), optimizer=opt, scheduler=sched, warmup_samples=8, every=2)
+    with pytest.warns(RuntimeWarning, match="every learning rate is 0"), rec.attach():
+        for t in range(5):
+            opt.zero_grad()
+            backward(fm, t)
+            opt.step()
+            sched.step()
+    assert rec.record.steps == [1, 2, 4] and rec.record.meta["base_lr"] == 1e-2
+    assert rec.record.meta["sched_per_step"][:3] == [0.0, 1 / 3, 2 / 3]
+    # FLeRM over a warm-up from 0 waits for the first non-zero rate too
+    fm2 = model(width=20)
+    opt2 = torch.optim.AdamW(fm2.parameters(), lr=1e-2)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lambda t: min(t / 3, 1.0))
+    flerm = ff.FLeRM(fm2, opt2, rec.record, probe_batches=stream(2), scheduler=sched2)
+    with pytest.warns(RuntimeWarning, match="waits"), flerm.attach():
+        for t in range(3):
+            opt2.zero_grad()
+            backward(fm2, t)
+            opt2.step()
+            sched2.step()
+    assert [p.step for p in flerm.history] == [1]
+    assert all(v > 0 for v in flerm.history[0].lrs.values())
+
+
+def test_base_schedule_is_followed_continuously_not_as_a_staircase() -> None:
+    steps = 40
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.05)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=steps)
+    rec = Recorder(fm, stream(), optimizer=opt, scheduler=sched, warmup_samples=4, every=None)
+    true = []
+    with rec.attach():
+        for t in range(steps):
+            true.append(sched.get_last_lr()[0] / sched.base_lrs[0])
+            opt.zero_grad()
+            backward(fm, t)
+            opt.step()
+            sched.step()
+    fm2 = model(width=20)
+    opt2 = torch.optim.SGD(fm2.parameters(), lr=0.05)
+    flerm = ff.FLeRM(fm2, opt2, rec.record, probe_batches=stream(2), warmup_samples=4)
+    with flerm.attach():
+        for t in range(steps):
+            opt2.zero_grad()
+            backward(fm2, t)
+            opt2.step()
+    ratios = flerm.ratios
+    for t in (5, 10, 17, 30):
+        lrs = flerm._rates(flerm._split(t))  # the rates FLeRM applies at step t
+        for n, r in ratios.items():
+            assert math.isclose(lrs[n], flerm.lr0 * true[t] * r, rel_tol=1e-12)
+    # a record without per-step ratios (older files) is interpolated between its rows
+    old = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]}, sched=[1.0, 3.0])
+    assert old.schedule_at(5) == 2.0 and old.sched_at(5) == 1.0
+
+
+def test_tensor_frozen_or_group_zeroed_mid_run_drops_out_with_a_note() -> None:
+    fm = model()
+    layers = fm.module
+    opt = torch.optim.SGD(
+        [{"params": layers[0].parameters()}, {"params": layers[2].parameters()}], lr=0.05
+    )
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=4, every=1)
+    with rec.attach():
+        for t in range(6):
+            if t == 2:
+                layers[0].bias.requires_grad_(False)
+            if t == 4:
+                opt.param_groups[1]["lr"] = 0.0
+            opt.zero_grad()
+            backward(fm, t)
+            if t == 2:
+                with pytest.warns(RuntimeWarning, match="did not move"):
+                    opt.step()
+            else:
+                opt.step()
+    assert rec.record.steps == list(range(6))
+    assert rec.record.at(5)["0.bias"] == rec.record.at(1)["0.bias"]
+    assert rec.record.lrs_at(5)["2.weight"] == 0.0 and rec.record.lrs_at(5)["0.bias"] == 0.0
+    assert rec.record.at(5)["2.weight"] == rec.record.at(3)["2.weight"]
+
+
+def test_add_param_group_after_flerm_is_adopted() -> None:
+    base = record()
+    fm = model(width=20)
+    layers = fm.module
+    opt = torch.optim.Adam(layers[0].parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 10)
+    flerm = ff.FLeRM(
+        fm, opt, base, probe_batches=stream(1), scheduler=sched, mode="periodic", every=1
+    )
+    assert flerm.names == ["0.weight", "0.bias"]
+    opt.add_param_group({"params": list(layers[2].parameters()), "lr": 1e-2})
+    for t in range(2):
+        opt.zero_grad()
+        backward(fm, t)
+        with flerm.step():
+            opt.step()
+        sched.step()
+    assert flerm.names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert sorted(flerm.history[-1].lrs) == sorted(flerm.names)
+
+
+def test_optimiser_over_a_subset_of_the_model() -> None:
+    base = record()
+    fm = model(width=20)
+    opt = torch.optim.Adam(fm.module[2].parameters(), lr=1e-2)
+    flerm = ff.FLeRM(fm, opt, base, probe_batches=stream(1))
+    backward(fm, 0)
+    with flerm.step():
+        opt.step()
+    assert sorted(flerm.history[0].lrs) == ["2.bias", "2.weight"]
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [("mode", "periodic"), ("every", 7), ("start_step", 1), ("warmup_samples", 4),
+     ("policy", "equal"), ("min_fslr", 1e-3)],
+)  # fmt: skip
+def test_flerm_state_of_other_options_is_refused_unless_not_strict(
+    option: str, value: object
+) -> None:
+    base = record()
+    fm = model(width=20)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    state = ff.FLeRM(fm, opt, base, probe_batches=stream()).state_dict()
+    other = ff.FLeRM(fm, opt, base, probe_batches=stream(), **{option: value})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=f"saved with {option}="):
+        other.load_state_dict(state)
+    other.load_state_dict(state, strict=False)
+    other_base = record(steps=2)
+    with pytest.raises(ValueError, match="saved with base="):
+        ff.FLeRM(fm, opt, other_base, probe_batches=stream()).load_state_dict(state)
+
+
+def test_recorder_state_of_other_options_is_refused_and_options_checked_early() -> None:
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    state = Recorder(fm, stream(), optimizer=opt).state_dict()
+    with pytest.raises(ValueError, match="saved with every=100, but this Recorder has every=5"):
+        Recorder(fm, stream(), optimizer=opt, every=5).load_state_dict(state)
+    with pytest.raises(TypeError, match="log_fn"):
+        Recorder(fm, stream(), optimizer=opt, log_fn=3)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="optimizer must be"):
+        Recorder(fm, stream(), optimizer="adam")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="probe_batches"):
+        Recorder(fm, 3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="every must be"):
+        ff.FLeRM(fm, opt, record(), probe_batches=stream(), every=0)
+    other = torch.optim.SGD(fm.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="scheduler must be a scheduler of this optimizer"):
+        Recorder(fm, stream(), optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
