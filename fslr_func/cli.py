@@ -34,7 +34,16 @@ from pathlib import Path
 from typing import Any
 
 from .atomic import write_json
-from .experiments.configs import AXES, DATA, DEMO, MODELS, MODES, ConfigError, SweepConfig
+from .experiments.configs import (
+    AXES,
+    DATA,
+    DEMO,
+    MODELS,
+    MODES,
+    NORMS,
+    ConfigError,
+    SweepConfig,
+)
 from .experiments.train import OPTIMIZERS, SCHEDULES
 
 __all__ = ["build_parser", "main", "parse_lrs"]
@@ -188,6 +197,14 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         {"type": _positive_int, "help": "MNIST-1D samples generated (train + test)"},
     ),
     "seq_len": ("--seq-len", {"type": _positive_int, "help": "transformer context length"}),
+    "norm": (
+        "--norm",
+        {
+            "choices": NORMS,
+            "help": "transformer norm placement: x + f(Norm(x)) (prenorm), Norm(x + f(x)) "
+            "(postnorm) or x + Norm(f(x)) (prenormpostmod)",
+        },
+    ),
     "last": (
         "--last",
         {"type": _positive_int, "help": "a run's loss is the mean over its last LAST batches"},
@@ -355,7 +372,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
         config = _config(args, demo).validate()
     except ConfigError as err:
         parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
-    name = "demo" if demo else f"{config.model}_{config.axis}"
+    norm = "" if config.norm == "prenorm" else f"-{config.norm}"
+    name = "demo" if demo else f"{config.model}{norm}_{config.axis}"
     out: Path = args.out or Path("fslr_runs") / name
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
@@ -377,7 +395,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
     except (OSError, ValueError, AttributeError):
         pass
     _note(
-        f"fslr {'demo' if demo else 'sweep'}: {config.model} on {config.data}, {config.axis} x "
+        f"fslr {'demo' if demo else 'sweep'}: {config.task_name}, {config.axis} x "
         f"{','.join(f'{s:g}' for s in config.scales)}, {len(config.lrs)} learning rates, "
         f"{config.seeds} seed(s), {config.steps} steps, {jobs} job(s) -> {out}"
     )

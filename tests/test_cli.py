@@ -108,6 +108,8 @@ def test_nearly_equal_scales_get_their_own_runs(
         (["sweep", "--data", "text"], "argument --data"),
         (["sweep", "--model", "transformer", "--data", "digits"], "argument --data"),
         (["sweep", "--steps", "10", "--last", "20"], "argument --last"),
+        (["sweep", "--norm", "postnorm"], "argument --norm"),
+        (["sweep", "--model", "transformer", "--norm", "sandwich"], "argument --norm"),
         (["sweep", "--modes", "fast"], "argument --modes"),
         (["sweep", "--data", "digits", "--batch-size", "5000"], "argument --batch-size"),
         (["demo", "--jobs", "0"], "argument --jobs"),

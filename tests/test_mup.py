@@ -4,6 +4,7 @@ install it with ``pip install --no-deps mup pyyaml``)."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -25,9 +26,11 @@ def _resmlp(width: int, seed: int = 0) -> nn.Module:
     return model
 
 
-def _transformer(mult: int, seed: int = 0) -> nn.Module:
+def _transformer(mult: int, seed: int = 0, norm: str = "prenorm") -> nn.Module:
     torch.manual_seed(seed)
-    return Transformer(d_model=32, n_heads=2, d_ff=64, depth=2, seq_len=8, width_mult=mult)
+    return Transformer(
+        d_model=32, n_heads=2, d_ff=64, depth=2, seq_len=8, width_mult=mult, norm=norm
+    )
 
 
 def _package(model: nn.Module, base: nn.Module) -> nn.Module:
@@ -77,6 +80,28 @@ def test_init_and_outputs_match_the_package(make, small, big, x):
     torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("norm", ["postnorm", "prenormpostmod"])
+def test_every_norm_placement_matches_the_package(norm):
+    mup = pytest.importorskip("mup")
+    base, model = _transformer(1, norm=norm), _transformer(4, norm=norm)
+    ref = _package(model, base)
+    opt = mup.MuAdam(ref.parameters(), lr=0.01)
+    want = {id(p): g["lr"] for g in opt.param_groups for p in g["params"]}
+    names = {n: id(p) for n, p in ref.named_parameters()}
+    ours = apply_mup(model, base, 0.01)
+    assert {g["name"]: g["lr"] for g in ours} == pytest.approx(
+        {n: want[i] for n, i in names.items()}, rel=1e-12
+    )
+    assert min(g["lr"] for g in ours) == pytest.approx(0.01 / 4)  # hidden matrices: lr / m
+    x = torch.randint(0, 256, (2, 8))
+    torch.testing.assert_close(model(x), ref(x), rtol=0, atol=0)
+    # the placement matters: the same weights under PreNorm give other outputs
+    pre = _transformer(4)
+    pre.load_state_dict(_transformer(4, norm=norm).state_dict())
+    apply_mup(pre, base, 0.01)
+    assert not torch.allclose(pre(x), model(x))
+
+
 def test_base_width_is_unchanged_and_extra_blocks_are_finite():
     base, same = _resmlp(32), _resmlp(32)
     x = torch.randn(3, 40)
@@ -114,6 +139,24 @@ def test_mup_sweep_mode_is_standard_at_the_base_scale(tmp_path):
     wide = result.runs["mup_scale=2_lr=0.01_seed=0"]["mup"]["lrs"]
     assert wide["blocks.0.weight"] == 0.005 and wide["readout.weight"] == 0.01
     assert "mup best lr" in format_table(result.summary)
+
+
+@pytest.mark.parametrize("norm", ["postnorm", "prenormpostmod"])
+def test_transformer_sweep_runs_every_mode_for_every_norm(tmp_path, norm):
+    from fslr_func.experiments.configs import SweepConfig
+    from fslr_func.experiments.sweep import run_sweep
+
+    cfg = SweepConfig.for_model(
+        "transformer", width=16, scales=(1, 2), lrs=(0.01,), steps=3, last=1, seeds=1,
+        seq_len=8, batch_size=2, samples=2, warmup_samples=2, every=1, norm=norm,
+    )  # fmt: skip
+    result = run_sweep(cfg, tmp_path, jobs=1, quiet=True)
+    assert result.summary["task"] == f"transformer-{norm}/text"
+    runs = {m: result.runs[f"{m}_scale=2_lr=0.01_seed=0"] for m in ("standard", "mup", "flerm")}
+    assert all(math.isfinite(r["loss"]) for r in runs.values())
+    assert runs["mup"]["mup"]["lrs"]["blocks.0.attn.q.weight"] == 0.005
+    base = [result.runs[f"{m}_scale=1_lr=0.01_seed=0"]["losses"] for m in ("standard", "mup")]
+    assert base[0] == base[1]  # muP is standard training at the base width
 
 
 @pytest.mark.parametrize(

@@ -351,6 +351,8 @@ def test_mean_record_uses_common_steps() -> None:
         ({"modes": ()}, "modes"),
         ({"flerm_mode": "sometimes"}, "flerm_mode"),
         ({"model": "transformer", "data": "text", "width": 24}, "scales"),
+        ({"model": "transformer", "data": "text", "norm": "sandwich"}, "norm"),
+        ({"norm": "postnorm"}, "norm"),  # the ResMLP has no norms
     ],
 )
 def test_config_errors_name_the_field(change: dict[str, Any], field: str) -> None:
@@ -376,6 +378,28 @@ def test_builtin_tasks_build_every_axis() -> None:
     model = lm.build(2.0, 0)
     x, y = next(iter(lm.train_batches(0)))
     assert model(x).shape == (*y.shape, 256) and model.d_model == 32
+
+
+@pytest.mark.parametrize("norm", ["prenorm", "postnorm", "prenormpostmod"])
+def test_transformer_norm_reaches_the_model_and_the_fingerprint(norm: str) -> None:
+    cfg = SweepConfig.for_model(
+        "transformer", width=16, scales=(1, 2), seq_len=8, batch_size=2, norm=norm
+    )
+    model = builtin_task(cfg).build(2.0, 0)
+    assert {b.norm_type for b in model.blocks} == {norm}  # type: ignore[union-attr]
+    prenorm = cfg.replace(norm="prenorm")
+    assert (cfg.fingerprint() == prenorm.fingerprint()) == (norm == "prenorm")
+    assert SweepConfig.from_dict(json.loads(json.dumps(cfg.to_dict()))) == cfg
+
+
+def test_prenorm_fingerprints_are_those_cached_before_the_norm_field() -> None:
+    # sweeps cached before `norm` existed (PreNorm) must stay valid: these are the
+    # fingerprints of benchmarks/transfer.py's two sweeps as computed before the field
+    tf = SweepConfig.for_model(
+        "transformer", width=16, scales=(1, 8), lrs=octaves(-10, -3), steps=150, last=30, seeds=3
+    )
+    assert tf.fingerprint({"task": tf.task_name}) == "83b22d4f81441b5f"
+    assert DEMO.fingerprint({"task": DEMO.task_name}) == "827a924b4129523d"
 
 
 def test_custom_task_skips_builtin_checks(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from fslr_func.experiments.models import NormType
 from fslr_func.experiments.train import OPTIMIZERS, SCHEDULES
 from fslr_func.flerm import Mode
 from fslr_func.options import STRATEGIES, Strategy
@@ -43,6 +44,7 @@ __all__ = [
     "DEMO",
     "MODELS",
     "MODES",
+    "NORMS",
     "ConfigError",
     "SweepConfig",
     "lr_key",
@@ -59,6 +61,8 @@ MODELS = ("resmlp", "transformer")
 DATA: dict[str, tuple[str, ...]] = {"resmlp": ("mnist1d", "digits"), "transformer": ("text",)}
 #: Training modes compared by a sweep.
 MODES = ("standard", "mup", "flerm")
+#: Norm placements of the built-in transformer (:class:`~fslr_func.experiments.models.Transformer`).
+NORMS = ("prenorm", "postnorm", "prenormpostmod")
 
 #: Fields that do not change what a single run computes (so not part of its cache fingerprint).
 _NOT_RUN_FIELDS = ("scales", "lrs", "seeds", "modes")
@@ -122,7 +126,7 @@ class SweepConfig:
     """A learning-rate transfer sweep: models, data, budget, grid and FSLR settings.
 
     Attributes:
-        model: ``"resmlp"`` (paper Appendix A.1) or ``"transformer"`` (A.2, PreNorm).
+        model: ``"resmlp"`` (paper Appendix A.1) or ``"transformer"`` (A.2).
         axis: ``"width"``, ``"depth"`` or ``"init_scale"``.
         scales: multipliers of the base model along ``axis``; the smallest is the base.
             Width and depth multipliers must give whole numbers of units and blocks.
@@ -138,6 +142,9 @@ class SweepConfig:
         init_scale: base initialisation scale of the block weights.
         num_samples: size of the generated MNIST-1D data set (train + test).
         seq_len: context length of the transformer.
+        norm: the transformer's norm placement, ``"prenorm"`` (``x + f(Norm(x))``),
+            ``"postnorm"`` (``Norm(x + f(x))``) or ``"prenormpostmod"`` (``x + Norm(f(x))``);
+            the ResMLP has no norms and takes only the default, ``"prenorm"``.
         last: the loss of a run is its training loss averaged over its last ``last`` batches
             (the paper: 200); a diverged run scores infinity.
         samples: omega samples per FSLR probe.
@@ -172,6 +179,7 @@ class SweepConfig:
     init_scale: float = 1.0
     num_samples: int = 25000
     seq_len: int = 64
+    norm: NormType = "prenorm"
     last: int = 30
     samples: int = 8
     warmup_samples: int = 40
@@ -210,11 +218,16 @@ class SweepConfig:
     def task_name(self) -> str:
         """Name of the built-in task (model family and data), part of the cache fingerprint.
 
+        A transformer with another norm placement than PreNorm names it.
+
         Example:
             >>> SweepConfig().task_name
             'resmlp/mnist1d'
+            >>> SweepConfig.for_model("transformer", norm="postnorm").task_name
+            'transformer-postnorm/text'
         """
-        return f"{self.model}/{self.data}"
+        norm = "" if self.norm == "prenorm" else f"-{self.norm}"
+        return f"{self.model}{norm}/{self.data}"
 
     @property
     def train_size(self) -> int | None:
@@ -347,6 +360,11 @@ class SweepConfig:
             f"must be distinct, got {list(self.lrs)}",
         )
         need(
+            self.norm in NORMS,
+            "norm",
+            f"must be one of {', '.join(NORMS)}, got {self.norm!r}",
+        )
+        need(
             self.flerm_mode in ("static", "periodic"),
             "flerm_mode",
             f"must be 'static' or 'periodic', got {self.flerm_mode!r}",
@@ -380,6 +398,12 @@ class SweepConfig:
                 f"{self.axis} {unit} times {bad} is not a whole number of "
                 f"{'units' if self.axis == 'width' else 'blocks'}",
             )
+        need(
+            self.model == "transformer" or self.norm == "prenorm",
+            "norm",
+            f"only the transformer has norms; model {self.model!r} takes the default "
+            f"'prenorm', got {self.norm!r}",
+        )
         train_size = self.train_size
         need(
             train_size is None or self.batch_size <= train_size,
@@ -423,13 +447,21 @@ class SweepConfig:
         """Hash of the fields that change what one run computes (not the grid: scales, lrs,
         seeds, modes), plus ``extra``; cached runs with another fingerprint are re-run.
 
+        ``norm`` enters only when it is not the default ``"prenorm"``, so sweeps cached before
+        the field existed (all PreNorm) keep their fingerprints.
+
         Example:
             >>> a, b = SweepConfig(lrs=(0.1,)), SweepConfig(lrs=(0.1, 0.2), seeds=5)
             >>> c = SweepConfig(lrs=(0.1,), steps=9)
             >>> a.fingerprint() == b.fingerprint(), a.fingerprint() == c.fingerprint()
             (True, False)
+            >>> d = SweepConfig.for_model("transformer")
+            >>> d.fingerprint() == d.replace(norm="postnorm").fingerprint()
+            False
         """
         d = {k: v for k, v in self.to_dict().items() if k not in _NOT_RUN_FIELDS}
+        if d["norm"] == "prenorm":
+            del d["norm"]
         if extra:
             d["extra"] = dict(extra)
         text = json.dumps(d, sort_keys=True, default=repr)

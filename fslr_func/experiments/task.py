@@ -88,7 +88,7 @@ def _build_transformer(config: SweepConfig, scale: float, seed: int) -> nn.Modul
         d_ff=4 * kw["width"],
         depth=kw["depth"],
         seq_len=config.seq_len,
-        norm="prenorm",
+        norm=config.norm,
         init_scale=kw["init_scale"],
     )
 
