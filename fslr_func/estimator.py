@@ -205,27 +205,21 @@ def valid_log(log_x: Tensor) -> Tensor:
     return ~(torch.isnan(log_x) | torch.isposinf(log_x)).any(-1)
 
 
-def mean_valid_log_stats(log_stats: Tensor) -> tuple[Tensor, Tensor]:
+def mean_valid_log_stats(log_stats: Tensor) -> Tensor:
     """:func:`mean_log_stats` over the samples (rows) whose statistics are finite.
 
     A sample whose gradient overflowed, or whose probe batch or update held a NaN, is left
-    out instead of poisoning the mean. Everything stays on the device: the caller learns
-    what was dropped when it next reads the values.
-
-    Returns:
-        ``(log_mean, dropped)``: the log mean of the valid rows (NaN if none is valid) and
-        the number of rows left out, a 0-d int64 tensor.
+    out instead of poisoning the mean; with no valid row the result is NaN, which
+    :meth:`EMA.update` then leaves out. Everything stays on the device (no sync).
 
     Example:
         >>> ls = torch.tensor([[0.0], [math.log(3.0)], [math.nan]], dtype=torch.float64)
-        >>> log_mean, dropped = mean_valid_log_stats(ls)
-        >>> log_mean.exp(), int(dropped)
-        (tensor([2.], dtype=torch.float64), 1)
+        >>> mean_valid_log_stats(ls).exp()
+        tensor([2.], dtype=torch.float64)
     """
     valid = valid_log(log_stats)
     kept = torch.where(valid.unsqueeze(-1), log_stats, -math.inf)
-    count = valid.sum()
-    return torch.logsumexp(kept, dim=0) - count.to(log_stats.dtype).log(), valid.numel() - count
+    return torch.logsumexp(kept, dim=0) - valid.sum().to(log_stats.dtype).log()
 
 
 @dataclass

@@ -31,9 +31,9 @@ from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
     OutputFn,
-    all_finite,
     as_output_tensor,
     check_inputs,
+    check_output,
     evaluation_point,
     model_forward,
     substituted,
@@ -131,7 +131,7 @@ def exact(
                 raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
                 out = as_output_tensor(raw, output_fn).reshape(-1)
             if not depends:
-                _check_output(out)
+                check_output(out)
             # Under jvp a dependent output carries a tangent; under autograd, a graph to w.
             dual = forward_ad.unpack_dual(out).tangent  # type: ignore[no-untyped-call]
             depends[name] = dual is not None or reaches(out, w)
@@ -160,14 +160,3 @@ def exact(
     if not any(depends.values()):
         raise disconnected_output_error()
     return result
-
-
-def _check_output(out: Tensor) -> None:
-    """Refuse an empty output or one with NaN or Inf entries."""
-    if out.numel() == 0:
-        raise ValueError("the model output is empty: nothing to measure; is the batch empty?")
-    if not all_finite(out):
-        raise ValueError(
-            "the model output has NaN or Inf entries on this batch (its inputs are finite): "
-            "the FSLR is undefined there; check the weights or use another batch"
-        )

@@ -239,6 +239,24 @@ def all_finite(t: Tensor) -> bool:
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 
+def check_output(out: Tensor, *, finite: bool = True) -> None:
+    """Refuse an empty model output, and (with ``finite``) one with NaN or Inf entries.
+
+    Raises:
+        ValueError: the output has no elements (an empty batch), or NaN or Inf entries.
+    """
+    if out.numel() == 0:
+        raise ValueError(
+            f"the model output is empty (shape {tuple(out.shape)}): nothing to measure; is the "
+            f"batch empty?"
+        )
+    if finite and not all_finite(out):
+        raise ValueError(
+            "the model output has NaN or Inf entries on this batch (its inputs are finite): "
+            "the FSLR is undefined there; check the weights or use another batch"
+        )
+
+
 def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
     """Check the probe batch's tensors: none empty, and (with ``finite``) no NaN or Inf.
 

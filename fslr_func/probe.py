@@ -258,8 +258,6 @@ def run_probe(
         if reduction is None
         else reduction.omega_slice(local, delta, options.samples, generator)
     )
-    if where.total == 0:
-        raise ValueError("the model output is empty: nothing to probe")
     # The cotangent is omega / sqrt(M); the vjp is linear and every statistic is quadratic in
     # Z, so omega goes in unscaled and log M comes off the log statistics (no scaled copy).
     log_shift = -math.log(where.total)

@@ -348,7 +348,7 @@ class FSLRModule(nn.Module):
             )
             self.resolved_strategy = result.strategy
             self.readout_roles.update(result.readout)
-            means = {n: mean_valid_log_stats(s)[0] for n, s in result.log_stats.items()}
+            means = {n: mean_valid_log_stats(s) for n, s in result.log_stats.items()}
             self.ema.update(means, step=self.probes if step is None else step, include=changed)
             self.probes += 1
 
@@ -410,16 +410,15 @@ class FSLRModule(nn.Module):
                 "the optimiser updates none of the module's trainable parameters: build it "
                 "from fm.parameters()"
             )
-        sizes = {n: p.numel() for n, p in self.module.named_parameters()}
+        current = dict(self.module.named_parameters())
         # A zero-size tensor moves nothing: it has no FSLR and is not probed.
-        lrs = {n: lr for n, lr in held.items() if lr != 0.0 and sizes[n] > 0}
+        lrs = {n: lr for n, lr in held.items() if lr != 0.0 and current[n].numel() > 0}
         if not lrs:
             raise ValueError(
                 "every learning rate is 0 at this step (a warm-up from 0?): there is no update "
                 "to measure; measure a step with a non-zero rate (Recorder and FLeRM wait for "
                 "one by themselves)"
             )
-        current = dict(self.module.named_parameters())
         before = {n: current[n].detach().clone() for n in lrs}
         m = Measurement(before, lrs)
         self._measuring = True
@@ -465,7 +464,6 @@ class FSLRModule(nn.Module):
         names = list(log_sq)
         if not names:
             return Reading({}, {}, tuple(changed), ())
-        moved = [changed.get(n, torch.ones((), dtype=torch.bool)) for n in names]
         rows = [
             torch.stack(
                 [
@@ -474,10 +472,10 @@ class FSLRModule(nn.Module):
                     self.ema.last_dropped[n],
                     folded[n] if n in folded else self.ema.counts[n],
                     fslr_from_log(log_sq[n]),
-                    is_moved.to(log_sq[n].device),
+                    changed[n] if n in changed else torch.ones_like(self.ema.dropped[n]),
                 ]
             ).to(torch.float64)
-            for n, is_moved in zip(names, moved, strict=True)
+            for n in names
         ]
         flags = torch.stack([r.to(rows[0].device) for r in rows]).tolist()
         by_step: dict[int, list[str]] = {}
@@ -497,8 +495,8 @@ class FSLRModule(nn.Module):
         valid = [(n, row) for n, row in zip(names, flags, strict=True) if not row[0]]
         fslr = {n: fslr_from_log(log_sq[n]) for n, _ in valid}
         rows_of = dict(zip(names, flags, strict=True))
-        went = tuple(n for n in changed if n not in rows_of or rows_of[n][5])
-        left_out = tuple(n for n in went if n in rows_of and rows_of[n][3] == 0)
+        went = tuple(n for n in changed if rows_of[n][5])
+        left_out = tuple(n for n in went if rows_of[n][3] == 0)
         return Reading(fslr, {n: row[4] for n, row in valid}, went, left_out)
 
     def reset(self) -> None:

@@ -38,9 +38,9 @@ from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
     ReadoutFinder,
-    all_finite,
     as_output_tensor,
     check_inputs,
+    check_output,
     evaluation_point,
     model_forward,
     readout_roles,
@@ -262,16 +262,7 @@ def prepare_vjp(
             )
         use = "autograd"
 
-    if out.numel() == 0:
-        raise ValueError(
-            f"the model output is empty (shape {tuple(out_shape[-1])}): nothing to probe; is "
-            f"the probe batch empty?"
-        )
-    if strict and not all_finite(out):
-        raise ValueError(
-            "the model output has NaN or Inf entries on this probe batch (its inputs are "
-            "finite): the FSLR is undefined there; check the weights or use another batch"
-        )
+    check_output(out, finite=strict)
     module_name = found[0] if found else (readout if readout != "auto" else None)
     last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
     roles = readout_roles(model, module_name, primals, last_dim)

@@ -216,45 +216,27 @@ def test_the_wrapper_leaves_zero_size_parameters_out() -> None:
 # ---------------------------------------------------------------- no host round-trips
 
 
-@contextlib.contextmanager
-def host_reads_raise() -> Iterator[list[str]]:
-    """Every way a tensor's value reaches the host raises inside the block."""
-    names = ["item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"]
-    saved = {n: getattr(Tensor, n) for n in names}
-    calls: list[str] = []
-
-    def refuse(name: str) -> Callable[..., Any]:
-        def method(self: Tensor, *args: Any, **kwargs: Any) -> Any:
-            calls.append(name)
-            raise AssertionError(f"Tensor.{name} called inside a probe: a host round-trip")
-
-        return method
-
-    for n in names:
-        setattr(Tensor, n, refuse(n))
-    try:
-        yield calls
-    finally:
-        for n, f in saved.items():
-            setattr(Tensor, n, f)
+HOST_READS = ["item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"]
+"""Every way a tensor's value reaches the host (on a GPU, each one a synchronisation)."""
 
 
 @contextlib.contextmanager
-def counting_host_reads() -> Iterator[list[str]]:
-    """Counts the calls that read a tensor's value on the host (each one a GPU sync)."""
-    names = ["item", "cpu", "tolist", "numpy", "__bool__", "__float__", "__int__"]
-    saved = {n: getattr(Tensor, n) for n in names}
+def watching_host_reads(*, refuse: bool) -> Iterator[list[str]]:
+    """Records every host read inside the block; with ``refuse``, each one raises."""
+    saved = {n: getattr(Tensor, n) for n in HOST_READS}
     calls: list[str] = []
 
-    def counted(name: str) -> Callable[..., Any]:
+    def watched(name: str) -> Callable[..., Any]:
         def method(self: Tensor, *args: Any, **kwargs: Any) -> Any:
             calls.append(name)
+            if refuse:
+                raise AssertionError(f"Tensor.{name} called inside a probe: a host round-trip")
             return saved[name](self, *args, **kwargs)
 
         return method
 
-    for n in names:
-        setattr(Tensor, n, counted(n))
+    for n in HOST_READS:
+        setattr(Tensor, n, watched(n))
     try:
         yield calls
     finally:
@@ -278,8 +260,8 @@ def test_a_measured_step_never_reads_the_device(strategy: str) -> None:
         batches = [torch.randn(8, 6), torch.randn(8, 6)]
         with contextlib.ExitStack() as after_the_step, fm.measure(opt, batches) as m:
             opt.step()  # Adam reads its step count: not the probe's doing
-            after_the_step.enter_context(host_reads_raise())
-    with counting_host_reads() as calls:
+            after_the_step.enter_context(watching_host_reads(refuse=True))
+    with watching_host_reads(refuse=False) as calls:
         fslr = m.fslr
         assert m.left_out == ()
     assert calls == ["tolist"]  # reading the estimates: one synchronisation
@@ -300,7 +282,7 @@ def test_flerm_synchronises_once_per_set_point_and_never_between() -> None:
         for _ in range(4):
             opt.zero_grad()
             nn.functional.cross_entropy(fm(x), y).backward()
-            with counting_host_reads() as calls, ctl.step():
+            with watching_host_reads(refuse=False) as calls, ctl.step():
                 opt.step()
             reads.append(len(calls))
         return reads

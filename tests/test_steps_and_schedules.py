@@ -4,32 +4,15 @@ mid-run, param groups added later, optimisers over a subset, and options checked
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 import torch
-from torch import Tensor, nn
+from _tiny import backward, model, stream
+from torch import nn
 
 import fslr_func as ff
 from fslr_func.record import FSLRRecord
 from fslr_func.recorder import Recorder
-
-
-def model(seed: int = 0, width: int = 10) -> ff.FSLRModule:
-    torch.manual_seed(seed)
-    net = nn.Sequential(nn.Linear(6, width), nn.Tanh(), nn.Linear(width, 3)).double()
-    return ff.with_fslr(net, samples=4, seed=1, strategy="loop")
-
-
-def stream(seed: int = 0) -> Iterator[Tensor]:
-    g = torch.Generator().manual_seed(seed)
-    while True:
-        yield torch.randn(8, 6, generator=g, dtype=torch.float64)
-
-
-def backward(fm: ff.FSLRModule, t: int) -> None:
-    x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 + t), dtype=torch.float64)
-    fm(x).square().mean().backward()
 
 
 def record(steps: int = 4, **kw: object) -> FSLRRecord:

@@ -33,7 +33,7 @@ import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
 from ..record import FSLRRecord
-from .session import RECORD_FILE, Session
+from .session import Session
 
 __all__ = ["FLeRMCallback", "FSLRCallback"]
 
@@ -107,10 +107,8 @@ class FSLRCallback(_Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
-        record = self.session.record()
-        if len(record) and trainer.is_global_zero:
-            os.makedirs(trainer.default_root_dir, exist_ok=True)
-            record.save(os.path.join(trainer.default_root_dir, RECORD_FILE))
+        if trainer.is_global_zero:
+            self.session.save_record(trainer.default_root_dir)
 
 
 class FLeRMCallback(_Callback):

@@ -138,6 +138,13 @@ class Session:
             raise RuntimeError("no base run is being recorded (start a recording session first)")
         return self.controller.record
 
+    def save_record(self, directory: str | os.PathLike[str]) -> None:
+        """Write the record so far to ``directory/fslr_record.json`` (nothing before a row)."""
+        record = self.record()
+        if len(record):
+            os.makedirs(directory, exist_ok=True)
+            record.save(os.path.join(directory, RECORD_FILE))
+
     def _log(self, step: int, scalars: dict[str, float]) -> None:
         self._scalars.update(scalars)
 

@@ -40,7 +40,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
 from ..record import FSLRRecord
-from .session import RECORD_FILE, STATE_FILE, Session
+from .session import STATE_FILE, Session
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -214,19 +214,13 @@ class FSLRCallback(_Callback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         super().on_save(args, state, control, **kw)
-        self._write(args)
+        self.session.save_record(_out(args))
 
     def on_train_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         super().on_train_end(args, state, control, **kw)
-        self._write(args)
-
-    def _write(self, args: TrainingArguments) -> None:
-        record = self.session.record()
-        if len(record):
-            os.makedirs(_out(args), exist_ok=True)
-            record.save(os.path.join(_out(args), RECORD_FILE))
+        self.session.save_record(_out(args))
 
 
 class FLeRMCallback(_Callback):
