@@ -45,6 +45,7 @@ from .experiments.configs import (
     SweepConfig,
 )
 from .experiments.train import OPTIMIZERS, SCHEDULES
+from .policies import POLICIES
 
 __all__ = ["build_parser", "main", "parse_lrs"]
 
@@ -238,6 +239,14 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "--schedule",
         {"choices": SCHEDULES, "help": "learning-rate schedule (warmup_cosine: 10%% warm-up)"},
     ),
+    "flerm_policy": (
+        "--policy",
+        {
+            "choices": tuple(POLICIES),
+            "help": "FLeRM's policy (default: share_blocks where the depth changes, else "
+            "identity; equal and equal_all are the paper's ablations)",
+        },
+    ),
     "flerm_mode": (
         "--flerm-mode",
         {
@@ -262,7 +271,12 @@ def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: s
             flag,
             dest=field,
             default=None,
-            **{**kwargs, "help": f"{kwargs['help']} (default: {shown})"},
+            **{
+                **kwargs,
+                "help": kwargs["help"]
+                if default is None
+                else f"{kwargs['help']} (default: {shown})",
+            },
         )
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default: {out})")
     p.add_argument(
@@ -373,7 +387,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
     except ConfigError as err:
         parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
     norm = "" if config.norm == "prenorm" else f"-{config.norm}"
-    name = "demo" if demo else f"{config.model}{norm}_{config.axis}"
+    policy = "" if config.flerm_policy is None else f"-{config.flerm_policy}"
+    name = "demo" if demo else f"{config.model}{norm}_{config.axis}{policy}"
     out: Path = args.out or Path("fslr_runs") / name
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {str(out)!r} exists and is not a folder")

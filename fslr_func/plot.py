@@ -117,13 +117,15 @@ def _colours(n: int) -> list[Any]:
 def _scale_label(summary: Mapping[str, Any], scale: float) -> str:
     axis = summary.get("axis", "scale")
     config = summary.get("config")
-    if isinstance(config, Mapping) and axis in ("width", "depth"):
+    if isinstance(config, Mapping) and axis in ("width", "depth", "width_depth"):
         from .experiments.configs import SweepConfig
 
         try:
             cfg = SweepConfig.from_dict(config)
             if summary.get("task", cfg.task_name) == cfg.task_name:  # a built-in model
-                return f"{axis} {cfg.model_kwargs(scale)[axis]} ({scale:g}x)"
+                kw = cfg.model_kwargs(scale)
+                sizes = ", ".join(f"{a} {kw[a]}" for a in ("width", "depth") if a in axis)
+                return f"{sizes} ({scale:g}x)"
         except (TypeError, ValueError, KeyError):
             pass
     return f"{axis} {scale:g}x"

@@ -73,6 +73,19 @@ def test_sweep_depth_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFix
     assert (figs / f"{record.stem}.png").stat().st_size > 1000
 
 
+def test_width_depth_sweep_with_an_ablation_policy_gets_its_own_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fslr_func.plot import _scale_label
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["sweep", *TINY, "--axis", "width_depth", "--policy", "equal", "--no-plots"]) == 0
+    summary = json.loads((tmp_path / "fslr_runs/resmlp_width_depth-equal/summary.json").read_text())
+    assert summary["axis"] == "width_depth" and summary["config"]["flerm_policy"] == "equal"
+    assert _scale_label(summary, 2.0) == "width 16, depth 4 (2x)"
+    capsys.readouterr()
+
+
 def test_nearly_equal_scales_get_their_own_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -111,6 +124,11 @@ def test_nearly_equal_scales_get_their_own_runs(
         (["sweep", "--norm", "postnorm"], "argument --norm"),
         (["sweep", "--model", "transformer", "--norm", "sandwich"], "argument --norm"),
         (["sweep", "--modes", "fast"], "argument --modes"),
+        (["sweep", "--policy", "deep"], "argument --policy"),
+        (
+            ["sweep", "--axis", "width_depth", "--depth", "3", "--scales", "1,1.5"],
+            "argument --scales",
+        ),
         (["sweep", "--data", "digits", "--batch-size", "5000"], "argument --batch-size"),
         (["demo", "--jobs", "0"], "argument --jobs"),
         (["plot", "/nonexistent/folder"], "argument path"),

@@ -102,18 +102,20 @@ def test_every_norm_placement_matches_the_package(norm):
     assert not torch.allclose(pre(x), model(x))
 
 
-def test_base_width_is_unchanged_and_extra_blocks_are_finite():
+def test_base_width_is_unchanged_and_extra_blocks_follow_their_role():
     base, same = _resmlp(32), _resmlp(32)
     x = torch.randn(3, 40)
     before = same(x)
     groups = apply_mup(same, base, 0.5)
     assert {g["lr"] for g in groups} == {0.5}
     torch.testing.assert_close(same(x), before, rtol=0, atol=0)
-    deep = ResMLP(40, 10, width=64, depth=4)  # blocks 2 and 3 have no base tensor
+    deep = ResMLP(40, 10, width=64, depth=4)  # blocks 2 and 3: no base tensor, base role 32
     mults = width_mults(deep, base)
-    assert mults["blocks.3.linear.weight"] == (None, None)
-    assert mults["blocks.0.linear.weight"] == (2.0, 2.0)
+    assert mults["blocks.3.linear.weight"] == mults["blocks.0.linear.weight"] == (2.0, 2.0)
     assert readouts(deep, base) == {"readout": 2.0}
+    # a tensor with neither a base tensor nor a role in the base has only finite dimensions
+    extra = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 8))
+    assert width_mults(extra, {"0.weight": (4, 4), "0.bias": (4,)})["1.weight"] == (None, None)
 
 
 def test_rejects_unknown_optimiser_and_rank_change():

@@ -50,7 +50,9 @@ class _Net(nn.Module):
 
 
 def _build(axis: str, scale: float, seed: int) -> nn.Module:
-    return _Net(round(8 * scale), 1) if axis == "width" else _Net(8, round(2 * scale))
+    if axis == "width":
+        return _Net(round(8 * scale), 1)
+    return _Net(round(8 * scale) if axis == "width_depth" else 8, round(2 * scale))
 
 
 def _batches(seed: int, probe: bool = False) -> Any:
@@ -253,6 +255,36 @@ def test_depth_sweep_uses_share_blocks(tmp_path: Path) -> None:
     assert targets["readout.weight"] == pytest.approx(base["readout.weight"])
 
 
+def test_width_depth_sweep_shares_blocks_and_mup_widens_the_new_blocks(tmp_path: Path) -> None:
+    cfg = tiny_config(axis="width_depth", seeds=1, lrs=(0.02,))
+    assert cfg.policy == "share_blocks"
+    result = _sweep(cfg, tmp_path)
+    run = result.runs[RunSpec("flerm", 2.0, 0.02, 0).key]
+    base = FSLRRecord.load(tmp_path / "records" / "lr=0.02_mean.json").at(0)
+    # 8 units, 2 blocks -> 16 units, 4 blocks: blocks shared as over depth, names kept for width
+    assert run["flerm"]["targets"]["blocks.3.weight"] == pytest.approx(base["blocks.1.weight"] / 2)
+    assert run["flerm"]["targets"]["input.weight"] == pytest.approx(base["input.weight"])
+    # muP: block 3 has no base tensor but its role (blocks.*.weight) is 2x wider in both dims
+    mup = result.runs[RunSpec("mup", 2.0, 0.02, 0).key]["mup"]["lrs"]
+    assert mup["blocks.3.weight"] == mup["blocks.0.weight"] == pytest.approx(0.01)
+    assert mup["input.weight"] == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize("policy", ["equal", "equal_all"])
+def test_the_paper_ablations_set_equal_targets(tmp_path: Path, policy: str) -> None:
+    cfg = tiny_config(axis="depth", seeds=1, lrs=(0.02,), flerm_policy=policy, modes=("flerm",))
+    assert cfg.policy == policy
+    result = _sweep(cfg, tmp_path)
+    targets = result.runs[RunSpec("flerm", 2.0, 0.02, 0).key]["flerm"]["targets"]
+    names = [n for n, _ in _Net(8, 4).named_parameters()]
+    assert set(targets) == set(names)
+    if policy == "equal_all":  # every one of the 12 scaled tensors: 1 / 12
+        assert targets == pytest.approx(dict.fromkeys(names, 1 / 12))
+    else:  # each of the 8 base tensors 1 / 8; the 2 base blocks' shares split over 4 blocks
+        assert targets["readout.weight"] == pytest.approx(1 / 8)
+        assert targets["blocks.3.bias"] == pytest.approx(1 / 16)
+
+
 def test_diverged_runs_score_infinity(tmp_path: Path) -> None:
     cfg = tiny_config(seeds=1, lrs=(0.01, 1e30), steps=20, last=5)
     result = _sweep(cfg, tmp_path)
@@ -350,6 +382,8 @@ def test_mean_record_uses_common_steps() -> None:
         ({"lrs": ()}, "lrs"),
         ({"modes": ()}, "modes"),
         ({"flerm_mode": "sometimes"}, "flerm_mode"),
+        ({"flerm_policy": "nope"}, "flerm_policy"),
+        ({"axis": "width_depth", "depth": 3, "scales": (1, 4 / 3)}, "scales"),
         ({"model": "transformer", "data": "text", "width": 24}, "scales"),
         ({"model": "transformer", "data": "text", "norm": "sandwich"}, "norm"),
         ({"norm": "postnorm"}, "norm"),  # the ResMLP has no norms

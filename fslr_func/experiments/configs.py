@@ -1,12 +1,12 @@
 """What a learning-rate transfer sweep runs: :class:`SweepConfig`, and the demo's defaults.
 
-A sweep trains one model family at several *scales* along one *axis* (width, depth or
-initialisation scale; the smallest scale is the base model) for every learning rate and seed,
-once with the plain optimiser at that learning rate (``"standard"``), once in muP with the base
-model as muP's base shapes (``"mup"``, :mod:`fslr_func.experiments.mup`) and once with FLeRM
-driven by the base model's FSLRs recorded at that learning rate (``"flerm"``). A config is
-plain, frozen and JSON-able: every run of a sweep is a pure function of its config and
-``(mode, scale, lr, seed)``, which is what makes the sweep cache
+A sweep trains one model family at several *scales* along one *axis* (width, depth, both
+together, or initialisation scale; the smallest scale is the base model) for every learning
+rate and seed, once with the plain optimiser at that learning rate (``"standard"``), once in
+muP with the base model as muP's base shapes (``"mup"``, :mod:`fslr_func.experiments.mup`) and
+once with FLeRM driven by the base model's FSLRs recorded at that learning rate
+(``"flerm"``). A config is plain, frozen and JSON-able: every run of a sweep is a pure function
+of its config and ``(mode, scale, lr, seed)``, which is what makes the sweep cache
 (:mod:`fslr_func.experiments.cache`) safe.
 
 :data:`DEMO` is the configuration of ``fslr demo``: change the demo here, in one place.
@@ -15,12 +15,12 @@ Example:
     >>> cfg = SweepConfig(scales=(1, 2), lrs=octaves(-8, -6), steps=20, seeds=1)
     >>> cfg.base_scale, cfg.policy, [f"{lr:g}" for lr in cfg.lrs]
     (1.0, 'identity', ['0.00390625', '0.0078125', '0.015625'])
-    >>> SweepConfig(axis="depth").policy
-    'share_blocks'
+    >>> SweepConfig(axis="depth").policy, SweepConfig(axis="depth", flerm_policy="equal").policy
+    ('share_blocks', 'equal')
     >>> SweepConfig(axis="sideways").validate()  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ...
-    fslr_func.experiments.configs.ConfigError: axis: must be one of width, depth, init_scale, ...
+    fslr_func.experiments.configs.ConfigError: axis: must be one of width, depth, width_depth, ...
 """
 
 from __future__ import annotations
@@ -37,11 +37,13 @@ from fslr_func.experiments.models import NormType
 from fslr_func.experiments.train import OPTIMIZERS, SCHEDULES
 from fslr_func.flerm import Mode
 from fslr_func.options import STRATEGIES, Strategy
+from fslr_func.policies import POLICIES
 
 __all__ = [
     "AXES",
     "DATA",
     "DEMO",
+    "DEPTH_AXES",
     "MODELS",
     "MODES",
     "NORMS",
@@ -53,8 +55,11 @@ __all__ = [
     "scale_key",
 ]
 
-#: Axes a sweep can scale; the base model is the smallest scale.
-AXES = ("width", "depth", "init_scale")
+#: Axes a sweep can scale; the base model is the smallest scale. ``width_depth`` multiplies the
+#: width and the number of blocks by the same scale.
+AXES = ("width", "depth", "width_depth", "init_scale")
+#: Axes that change the number of blocks (FLeRM's default policy there: ``share_blocks``).
+DEPTH_AXES = ("depth", "width_depth")
 #: Built-in model families.
 MODELS = ("resmlp", "transformer")
 #: Data sets each built-in model can train on.
@@ -127,7 +132,8 @@ class SweepConfig:
 
     Attributes:
         model: ``"resmlp"`` (paper Appendix A.1) or ``"transformer"`` (A.2).
-        axis: ``"width"``, ``"depth"`` or ``"init_scale"``.
+        axis: ``"width"``, ``"depth"``, ``"width_depth"`` (both by the same multiplier) or
+            ``"init_scale"``.
         scales: multipliers of the base model along ``axis``; the smallest is the base.
             Width and depth multipliers must give whole numbers of units and blocks.
         lrs: learning rates (the base model's ``lr_0`` in FLeRM and muP modes).
@@ -151,6 +157,9 @@ class SweepConfig:
         warmup_samples: omega samples of the EMA warm-up (paper: 40).
         every: the base runs record an FSLR probe every ``every`` steps (the FSLR-vs-time
             plot); periodic FLeRM resets the rates every ``every`` steps.
+        flerm_policy: FLeRM's policy by name (:data:`fslr_func.policies.POLICIES`), e.g. the
+            paper's ablations ``"equal"`` and ``"equal_all"``; ``None``: the axis's own
+            (:attr:`policy`).
         flerm_mode: ``"static"`` (the paper's main results: rates set once, at step 0, after
             the EMA warm-up) or ``"periodic"`` (and again every ``every`` steps, matching the
             base record over time).
@@ -184,6 +193,7 @@ class SweepConfig:
     samples: int = 8
     warmup_samples: int = 40
     every: int = 10
+    flerm_policy: str | None = None
     flerm_mode: Mode = "static"
     modes: tuple[str, ...] = MODES
     strategy: Strategy = "vmap"
@@ -245,8 +255,11 @@ class SweepConfig:
 
     @property
     def policy(self) -> str:
-        """FLeRM policy of the axis: ``share_blocks`` for depth, else ``identity``."""
-        return "share_blocks" if self.axis == "depth" else "identity"
+        """FLeRM's policy: :attr:`flerm_policy` if set, else the axis's: ``share_blocks`` where
+        the depth changes, ``identity`` otherwise."""
+        if self.flerm_policy is not None:
+            return self.flerm_policy
+        return "share_blocks" if self.axis in DEPTH_AXES else "identity"
 
     def model_kwargs(self, scale: float) -> dict[str, Any]:
         """Width, depth and init scale of the model at ``scale`` along :attr:`axis`.
@@ -256,13 +269,15 @@ class SweepConfig:
             {'width': 128, 'depth': 4, 'init_scale': 1.0}
             >>> SweepConfig(axis="depth", depth=4).model_kwargs(2)
             {'width': 32, 'depth': 8, 'init_scale': 1.0}
+            >>> SweepConfig(axis="width_depth", width=32, depth=4).model_kwargs(2)
+            {'width': 64, 'depth': 8, 'init_scale': 1.0}
         """
         width, depth, init_scale = self.width, self.depth, self.init_scale
-        if self.axis == "width":
+        if self.axis in ("width", "width_depth"):
             width = round(width * scale)
-        elif self.axis == "depth":
+        if self.axis in DEPTH_AXES:
             depth = round(depth * scale)
-        else:
+        if self.axis == "init_scale":
             init_scale = init_scale * scale
         return {"width": width, "depth": depth, "init_scale": init_scale}
 
@@ -365,6 +380,11 @@ class SweepConfig:
             f"must be one of {', '.join(NORMS)}, got {self.norm!r}",
         )
         need(
+            self.flerm_policy is None or self.flerm_policy in POLICIES,
+            "flerm_policy",
+            f"must be one of {', '.join(POLICIES)}, got {self.flerm_policy!r}",
+        )
+        need(
             self.flerm_mode in ("static", "periodic"),
             "flerm_mode",
             f"must be 'static' or 'periodic', got {self.flerm_mode!r}",
@@ -389,15 +409,14 @@ class SweepConfig:
 
     def _validate_builtin(self, need: Callable[[bool, str, str], None]) -> None:
         """The checks of :meth:`validate` that only concern the built-in models and data."""
-        if self.axis in ("width", "depth"):
-            unit = self.width if self.axis == "width" else self.depth
+        scaled: list[tuple[str, int, str]] = []
+        if self.axis in ("width", "width_depth"):
+            scaled.append(("width", self.width, "units"))
+        if self.axis in DEPTH_AXES:
+            scaled.append(("depth", self.depth, "blocks"))
+        for name, unit, units in scaled:
             bad = [s for s in self.scales if abs(unit * s - round(unit * s)) > 1e-9]
-            need(
-                not bad,
-                "scales",
-                f"{self.axis} {unit} times {bad} is not a whole number of "
-                f"{'units' if self.axis == 'width' else 'blocks'}",
-            )
+            need(not bad, "scales", f"{name} {unit} times {bad} is not a whole number of {units}")
         need(
             self.model == "transformer" or self.norm == "prenorm",
             "norm",
@@ -411,7 +430,7 @@ class SweepConfig:
             f"must be at most the {train_size} training samples of {self.data}, "
             f"got {self.batch_size}",
         )
-        if self.model == "transformer" and self.axis == "width":
+        if self.model == "transformer" and self.axis in ("width", "width_depth"):
             bad = [s for s in self.scales if round(self.width * s) % 16]
             need(
                 not bad and self.width % 16 == 0,
@@ -447,8 +466,8 @@ class SweepConfig:
         """Hash of the fields that change what one run computes (not the grid: scales, lrs,
         seeds, modes), plus ``extra``; cached runs with another fingerprint are re-run.
 
-        ``norm`` enters only when it is not the default ``"prenorm"``, so sweeps cached before
-        the field existed (all PreNorm) keep their fingerprints.
+        ``norm`` and ``flerm_policy`` enter only when they are not their defaults (``"prenorm"``,
+        ``None``), so sweeps cached before those fields existed keep their fingerprints.
 
         Example:
             >>> a, b = SweepConfig(lrs=(0.1,)), SweepConfig(lrs=(0.1, 0.2), seeds=5)
@@ -458,10 +477,14 @@ class SweepConfig:
             >>> d = SweepConfig.for_model("transformer")
             >>> d.fingerprint() == d.replace(norm="postnorm").fingerprint()
             False
+            >>> a.fingerprint() == a.replace(flerm_policy="equal").fingerprint()
+            False
         """
         d = {k: v for k, v in self.to_dict().items() if k not in _NOT_RUN_FIELDS}
         if d["norm"] == "prenorm":
             del d["norm"]
+        if d["flerm_policy"] is None:
+            del d["flerm_policy"]
         if extra:
             d["extra"] = dict(extra)
         text = json.dumps(d, sort_keys=True, default=repr)

@@ -7,9 +7,13 @@ package's per-tensor learning rates, initialisation and outputs when it is insta
 
 A dimension of a tensor is *infinite* when its size differs from the same tensor's in the base
 model (same name); its width multiplier is :math:`m = n / n_\text{base}`. A tensor with no base
-counterpart (the extra blocks of a deeper model) has only finite dimensions: muP scales width
-only. With :math:`m_\text{in}` and :math:`m_\text{out}` the multipliers of a weight's fan-in
-(dim 1) and fan-out (dim 0), 1 for a finite dimension, and :math:`m` the multiplier of the last
+counterpart (the extra blocks of a deeper model) is compared with its *role* in the base, the
+same name in another block of its stack (``blocks.7.lin.weight`` with ``blocks.0.lin.weight``,
+blocks found by :data:`fslr_func.names.BLOCK_PATTERN`), so a model both wider and deeper is muP
+along its width; with no such tensor it has only finite dimensions: muP scales width only.
+
+With :math:`m_\text{in}` and :math:`m_\text{out}` the multipliers of a weight's fan-in (dim 1)
+and fan-out (dim 0), 1 for a finite dimension, and :math:`m` the multiplier of the last
 infinite dimension of a tensor:
 
 - **Readout** (a linear layer with a finite fan-out and an infinite fan-in, like the package's
@@ -52,6 +56,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
+from ..names import compile_block_pattern
+
 if TYPE_CHECKING:
     from .task import Task
 
@@ -75,6 +81,28 @@ SGD_LIKE = ("sgd",)
 Mults = dict[str, tuple[float | None, ...]]
 
 
+_BLOCKS = compile_block_pattern()
+
+
+def _role(name: str) -> str:
+    """``name`` with its block index replaced by ``*`` (itself outside blocks).
+
+    Example:
+        >>> _role("blocks.7.lin.weight"), _role("readout.bias")
+        ('blocks.*.lin.weight', 'readout.bias')
+    """
+    m = _BLOCKS.search(name)
+    return name if m is None else f"{name[: m.start(1)]}*{name[m.end(1) :]}"
+
+
+def _role_shapes(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
+    """The shape of each role's first tensor among ``shapes``."""
+    roles: dict[str, tuple[int, ...]] = {}
+    for name, shape in shapes.items():
+        roles.setdefault(_role(name), shape)
+    return roles
+
+
 def width_mults(model: nn.Module, base: nn.Module | Mapping[str, Any]) -> Mults:
     """The width multiplier of every dimension of every parameter (``None``: finite).
 
@@ -92,9 +120,12 @@ def width_mults(model: nn.Module, base: nn.Module | Mapping[str, Any]) -> Mults:
         if isinstance(base, nn.Module)
         else {n: tuple(s) for n, s in base.items()}
     )
+    roles = _role_shapes(shapes)
     out: Mults = {}
     for name, p in model.named_parameters():
-        ref = shapes.get(name, tuple(p.shape))
+        ref = shapes.get(name)
+        if ref is None:
+            ref = roles.get(_role(name), tuple(p.shape))
         if len(ref) != p.dim():
             raise ValueError(f"{name}: base shape {list(ref)} vs {list(p.shape)}: another rank")
         out[name] = tuple(None if b == n else n / b for b, n in zip(ref, p.shape, strict=True))
