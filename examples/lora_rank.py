@@ -1,38 +1,46 @@
-"""LoRA rank transfer with FLeRM (paper section 4.2.4), on CPU in a few minutes.
+"""LoRA rank transfer with FLeRM (paper section 4.2.4 and appendix C), on CPU in minutes.
 
 A small GPT-2 (built from ``GPT2Config``: 2 layers, width 64, byte vocabulary; nothing is
 downloaded) is pretrained briefly on the English text of Python's documentation
 (``pydoc_data.topics``). LoRA adapters (PEFT, on every attention ``c_attn``, the paper's Gaussian
-initialisation: ``A`` Gaussian, ``B = 0``) then continue training it on another text, the
-standard library's Python source, at ranks 2 to 32, sweeping the learning rate of ``B`` with
-``A``'s fixed, as in the paper:
+initialisation: ``A`` Gaussian, ``B = 0``, ``lora_alpha = 8``) then continue training it on
+another text, the standard library's Python source, at ranks 2 to 16, sweeping the learning
+rate of ``B`` with ``A``'s fixed (``--sweep B``, the paper's figure 5) or the rate of ``A`` with
+``B``'s fixed (``--sweep A``, its appendix), for several seeds:
 
-* **Standard**: Adam with those rates.
-* **FLeRM**: rank 2 is the base. Its FSLRs are recorded at step ``--start-step`` (LoRA's ``A``
-  does not move the function while ``B = 0``, so its FSLR is exactly 0 at step 0: the paper
-  warms FLeRM up a few steps in, and so do we); every other rank is run with :class:`FLeRM`
-  (static: rates set once, at that step) so each adapter tensor moves the function as the
-  rank-2 adapter did at the same learning rates.
+* **standard**: Adam with those rates.
+* **FLeRM**: the smallest rank is the base. Its FSLRs are recorded at step ``--start-step``
+  (LoRA's ``A`` does not move the function while ``B = 0``, so its FSLR is exactly 0 at step
+  0: the paper warms FLeRM up a few steps in, and so do we) and averaged over the seeds; every
+  other rank is run with :class:`FLeRM` (static: rates set once, at that step) so each adapter
+  tensor moves the function as the base adapter's did at the same learning rates. At the base
+  rank FLeRM's runs are the base runs.
 
-The figure (``docs/img/lora_rank.png``) plots the training loss (mean of the last 20 steps)
-against ``B``'s learning rate, one line per rank; a line that stops marks a diverged run. The
-standard optimum moves with the rank; with FLeRM it should stay with rank 2's.
+muP has no rule for LoRA rank, so there is no muP baseline here.
 
 The base runs use two learning rates (``A``'s and ``B``'s); the record keeps each tensor's rate
 (``record.lrs``) and :class:`FLeRM` matches each base tensor's movement at its own rate: each
 tensor gets ``lr_base(W) * FSLR_base(W) / FSLR(W)``.
 
-Run: ``python examples/lora_rank.py`` (about 5 minutes on one CPU core);
-``--quick`` for a smoke run (2 ranks, 3 rates, 30 steps).
+It prints the sweep's table (best rate per rank, ``!`` on the grid's edge, the shift in
+octaves), the largest rank's loss at the base rank's best rate, and writes the figure
+(``docs/img/lora_rank_B.png`` or ``_A.png``): training loss (mean of the last 20 steps, over
+the seeds) against the swept rate, one line per rank; a line that stops marks a diverged run.
+
+Run: ``python examples/lora_rank.py --sweep B`` (about 10 minutes on 2 CPU cores, ``--jobs``
+processes); ``--quick`` for a smoke run (2 ranks, 3 rates, 1 seed, 30 steps).
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import multiprocessing
+import os
 import time
 import warnings
 from collections.abc import Iterator, Mapping
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +49,12 @@ from torch import Tensor
 
 import fslr_func as ff
 from fslr_func.experiments import lm_batches, lm_loss, pydoc_text, stdlib_source
+from fslr_func.experiments.cache import mean_record
+from fslr_func.experiments.configs import SweepConfig, scale_key
+from fslr_func.experiments.run import RunSpec, finite_or_none
+from fslr_func.experiments.summary import format_table, summarise
 from fslr_func.flerm import FLeRM
+from fslr_func.plot import plot_transfer
 from fslr_func.record import FSLRRecord
 from fslr_func.recorder import Recorder
 
@@ -162,136 +175,127 @@ def finetune(
     return final, (recorder.record if recorder is not None else None)
 
 
-def plot(
-    results: dict[str, dict[int, list[float]]], lrs: list[float], lr_a: float, out: Path
-) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=True)
-    ranks = sorted(results["Standard"])
-    cmap = plt.get_cmap("viridis")
-    finite = [v for mode in results.values() for r in mode.values() for v in r if math.isfinite(v)]
-    for ax, mode in zip(axes, ("Standard", "FLeRM"), strict=True):
-        for i, rank in enumerate(ranks):
-            color = cmap(i / max(1, len(ranks) - 1))
-            losses = results[mode][rank]
-            ax.plot(lrs, losses, "o-", color=color, label=f"r={rank}", markersize=4)
-            best = min(
-                range(len(lrs)), key=lambda k: losses[k] if math.isfinite(losses[k]) else 1e9
-            )
-            if math.isfinite(losses[best]):
-                ax.plot(
-                    lrs[best], losses[best], "*", color=color, markersize=13, markeredgecolor="k"
-                )
-        ax.set_xscale("log")
-        ax.set_xlabel("learning rate of B")
-        ax.set_title(
-            f"{mode} (Adam; lr of A = {lr_a:g})" if mode == "Standard" else "FLeRM (base: rank 2)"
-        )
-        ax.grid(alpha=0.3)
-    axes[0].set_ylabel("training loss (last 20 steps)")
-    if finite:
-        lo, hi = min(finite), max(finite)
-        axes[0].set_ylim(lo - 0.05 * (hi - lo), min(hi, lo + 1.5) + 0.05 * (hi - lo))
-    axes[1].legend(title="LoRA rank", fontsize=8)
-    fig.suptitle(
-        "LoRA rank transfer: GPT-2 (2 layers, width 64) pretrained on pydoc text, "
-        "LoRA on stdlib source",
-        fontsize=10,
-    )
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+def _cell(job: tuple[Any, ...]) -> tuple[float, FSLRRecord | None]:
+    """One fine-tuning run in a worker process (one thread: the workers share the cores)."""
+    torch.set_num_threads(1)
+    return finetune(*job[:-2], record=job[-2], base=job[-1])
 
 
-def main(argv: list[str] | None = None) -> dict[str, dict[int, list[float]]]:
+def _run_all(jobs: list[tuple[Any, ...]], workers: int) -> list[tuple[float, FSLRRecord | None]]:
+    if workers == 1:
+        return [_cell(job) for job in jobs]
+    context = multiprocessing.get_context("spawn")  # torch is not fork-safe once it has threads
+    with ProcessPoolExecutor(workers, mp_context=context) as pool:
+        return list(pool.map(_cell, jobs))
+
+
+def _transferred(summary: Mapping[str, Any], runs: Mapping[str, Any], seeds: int) -> str:
+    """The largest rank's loss at the base rank's best learning rate, mean and per seed."""
+    scales = summary["scales"]
+    lines = []
+    for mode, data in summary["modes"].items():
+        tuned = data["best_lr"][scale_key(scales[0])]
+        if tuned is None:
+            continue
+        per_seed = [runs[RunSpec(mode, scales[-1], tuned, s).key]["loss"] for s in range(seeds)]
+        shown = ", ".join("diverged" if v is None else f"{v:.3f}" for v in per_seed)
+        mean = "diverged" if None in per_seed else f"{sum(per_seed) / seeds:.3f}"
+        lines.append(f"  {mode:8s} at {tuned:.3g}: {mean} (seeds {shown})")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16, 32])
+    parser.add_argument("--sweep", choices=("B", "A"), default="B", help="which rate to sweep")
+    parser.add_argument(
+        "--fixed",
+        type=float,
+        default=None,
+        help="the other tensor's fixed rate (default: A at 1e-3 when sweeping B, B at 2^-8 "
+        "when sweeping A)",
+    )
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument(
         "--lrs",
         type=float,
         nargs="+",
-        default=[10 ** (k / 2) for k in range(-7, 0)],
-        help="learning rates of B (default 10^-3.5 ... 10^-0.5)",
+        default=[2.0**k for k in range(-12, -1)],
+        help="learning rates swept (default 2^-12 ... 2^-2)",
     )
-    parser.add_argument("--lr-a", type=float, default=1e-3, help="learning rate of A (fixed)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--jobs", type=int, default=min(8, os.cpu_count() or 1))
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--start-step", type=int, default=5)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--out", type=Path, default=Path(__file__).parents[1] / "docs" / "img" / "lora_rank.png"
-    )
+    parser.add_argument("--out", type=Path, default=None, help="figure (default docs/img/...)")
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="smoke run: ranks 2 and 8, 3 rates, 30 steps, 50 pretraining steps",
+        help="smoke run: ranks 2 and 8, 3 rates, 1 seed, 30 steps, 50 pretraining steps",
     )
     args = parser.parse_args(argv)
     if args.quick:
-        args.ranks, args.steps, args.pretrain_steps = [2, 8], 30, 50
-        args.lrs = [1e-3, 1e-2, 1e-1]
-    if 2 not in args.ranks:
-        raise SystemExit("--ranks must include 2, the FLeRM base rank")
+        args.ranks, args.steps, args.pretrain_steps, args.seeds = [2, 8], 30, 50, 1
+        args.lrs = [2.0**-10, 2.0**-7, 2.0**-4]
+    fixed = args.fixed if args.fixed is not None else (1e-3 if args.sweep == "B" else 2.0**-8)
+    ranks, lrs, seeds = sorted(set(args.ranks)), sorted(set(args.lrs)), range(args.seeds)
+    base_rank = ranks[0]
+    out = args.out or Path(__file__).parents[1] / "docs" / "img" / f"lora_rank_{args.sweep}.png"
     torch.set_num_threads(1)
     start = time.time()
-    pretrained = pretrain(args.pretrain_steps, args.seed)
+    pretrained = pretrain(args.pretrain_steps)
     print(f"pretrained {args.pretrain_steps} steps on pydoc text ({time.time() - start:.0f} s)")
-    results: dict[str, dict[int, list[float]]] = {"Standard": {}, "FLeRM": {}}
-    bases: dict[float, FSLRRecord | None] = {}
-    for rank in sorted(args.ranks):
-        for mode in ("Standard", "FLeRM"):
-            row = []
-            for lr in args.lrs:
-                if rank == 2:  # the base: FLeRM at the base rank is the standard run
-                    if mode == "FLeRM":
-                        row = results["Standard"][2]
-                        break
-                    loss, bases[lr] = finetune(
-                        pretrained,
-                        2,
-                        lr,
-                        args.lr_a,
-                        args.steps,
-                        args.start_step,
-                        args.seed,
-                        record=True,
-                    )
-                elif mode == "Standard":
-                    loss, _ = finetune(
-                        pretrained, rank, lr, args.lr_a, args.steps, args.start_step, args.seed
-                    )
-                elif bases[lr] is None:  # the base run diverged before its record
-                    loss = math.nan
-                else:
-                    loss, _ = finetune(
-                        pretrained,
-                        rank,
-                        lr,
-                        args.lr_a,
-                        args.steps,
-                        args.start_step,
-                        args.seed,
-                        base=bases[lr],
-                    )
-                row.append(loss)
-            results[mode][rank] = row
-            cells = " ".join(f"{v:6.3f}" for v in row)
-            print(f"{mode:8s} rank {rank:2d}: {cells}   ({time.time() - start:.0f} s)")
-    print("\nbest learning rate of B per rank:")
-    for mode, by_rank in results.items():
-        best = {}
-        for rank, row in by_rank.items():
-            finite = [(v, lr) for v, lr in zip(row, args.lrs, strict=True) if math.isfinite(v)]
-            best[rank] = f"{min(finite)[1]:.2g}" if finite else "-"
-        print(f"  {mode:8s} " + "  ".join(f"r={r}: {lr}" for r, lr in sorted(best.items())))
-    plot(results, args.lrs, args.lr_a, args.out)
-    print(f"wrote {args.out} ({time.time() - start:.0f} s in all)")
-    return results
+
+    def job(rank: int, lr: float, seed: int, record: bool, base: FSLRRecord | None) -> tuple:
+        lr_b, lr_a = (lr, fixed) if args.sweep == "B" else (fixed, lr)
+        return (pretrained, rank, lr_b, lr_a, args.steps, args.start_step, seed, record, base)
+
+    # standard runs; the base rank's record their FSLRs (FLeRM at the base rank is the base run)
+    cells = [(rank, lr, s) for rank in ranks for lr in lrs for s in seeds]
+    done = _run_all([job(r, lr, s, r == base_rank, None) for r, lr, s in cells], args.jobs)
+    runs: dict[str, dict[str, Any]] = {}
+    records: dict[float, list[FSLRRecord]] = {lr: [] for lr in lrs}
+    for (rank, lr, s), (loss, record) in zip(cells, done, strict=True):
+        for mode in ("standard", "flerm") if rank == base_rank else ("standard",):
+            runs[RunSpec(mode, rank / base_rank, lr, s).key] = {"loss": finite_or_none(loss)}
+        if record is not None:
+            records[lr].append(record)
+    print(f"standard runs done ({time.time() - start:.0f} s)")
+    # FLeRM: each rank matched to the base rank's record of the same rates, mean over seeds
+    bases = {lr: mean_record(records[lr]) for lr in lrs}
+    cells = [(r, lr, s) for r in ranks[1:] for lr in lrs for s in seeds if bases[lr] is not None]
+    done = _run_all([job(r, lr, s, False, bases[lr]) for r, lr, s in cells], args.jobs)
+    for rank in ranks[1:]:  # a rate whose base runs all diverged has no FLeRM run
+        for lr in lrs:
+            for s in seeds:
+                runs[RunSpec("flerm", rank / base_rank, lr, s).key] = {"loss": None}
+    for (rank, lr, s), (loss, _) in zip(cells, done, strict=True):
+        runs[RunSpec("flerm", rank / base_rank, lr, s).key] = {"loss": finite_or_none(loss)}
+
+    config = SweepConfig(
+        axis="rank",
+        scales=tuple(r / base_rank for r in ranks),
+        lrs=tuple(lrs),
+        seeds=args.seeds,
+        modes=("standard", "flerm"),
+        steps=args.steps,
+        last=20,
+    )
+    summary = summarise(config, runs)
+    summary["scale_labels"] = {scale_key(r / base_rank): f"rank {r}" for r in ranks}
+    summary["task"] = (
+        f"GPT-2 LoRA, rate of {args.sweep} swept, {'AB'[args.sweep == 'A']} at {fixed:g}"
+    )
+    print(
+        f"\nbest learning rate of {args.sweep} per rank (loss: mean of the last 20 steps, "
+        f"{args.seeds} seed(s)):\n"
+    )
+    print(format_table(summary))
+    print(f"\nrank {ranks[-1]} at the rank-{base_rank} optimum:")
+    print(_transferred(summary, runs, args.seeds))
+    plot_transfer(summary, out, xlabel=f"learning rate of {args.sweep}")
+    print(f"wrote {out} ({time.time() - start:.0f} s in all)")
+    return summary
 
 
 if __name__ == "__main__":

@@ -115,6 +115,9 @@ def _colours(n: int) -> list[Any]:
 
 
 def _scale_label(summary: Mapping[str, Any], scale: float) -> str:
+    labels = summary.get("scale_labels")
+    if isinstance(labels, Mapping) and f"{scale:g}" in labels:
+        return str(labels[f"{scale:g}"])
     axis = summary.get("axis", "scale")
     config = summary.get("config")
     if isinstance(config, Mapping) and axis in ("width", "depth", "width_depth"):
@@ -146,15 +149,18 @@ def plot_transfer(
     path: str | os.PathLike[str],
     *,
     title: str | None = None,
+    xlabel: str = "learning rate (base model's, for muP and FLeRM)",
 ) -> Path:
     """Loss against learning rate per scale, one panel per mode (standard, muP, FLeRM; paper
     figure 2). A panel whose shift is only a lower bound (a best learning rate on the edge of
     the grid) says so in its title.
 
     Args:
-        summary: a sweep summary (:func:`fslr_func.experiments.sweep.summarise`).
+        summary: a sweep summary (:func:`fslr_func.experiments.sweep.summarise`); an optional
+            ``"scale_labels"`` entry (``{scale key: label}``) names the lines.
         path: the PNG to write.
         title: figure title; default: the model and axis.
+        xlabel: the x axis's label.
 
     Returns:
         ``path``. Diverged learning rates are left out (their line ends); the best learning
@@ -216,7 +222,7 @@ def plot_transfer(
         if finite and top is not None:
             lo = min(finite)
             ax.set_ylim(lo - 0.05 * (top - lo), top + 0.05 * (top - lo))
-    axes[-1].set_xlabel("learning rate (base model's, for muP and FLeRM)")
+    axes[-1].set_xlabel(xlabel)
     axes[0].legend(fontsize=8, loc="best")
     config = summary.get("config", {})
     fig.suptitle(

@@ -461,4 +461,4 @@ def test_lora_rank_example_quick_run(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert out.exists() and out.stat().st_size > 10_000
-    assert "FLeRM" in result.stdout
+    assert "flerm best lr" in result.stdout and "rank 8 at the rank-2 optimum" in result.stdout

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from fslr_func.experiments.configs import DEMO, ConfigError, SweepConfig, octaves
+from fslr_func.experiments.summary import format_table
 from fslr_func.experiments.sweep import (
     RunSpec,
     Task,
@@ -25,6 +26,7 @@ from fslr_func.experiments.sweep import (
     run_sweep,
     summarise,
 )
+from fslr_func.plot import _scale_label
 from fslr_func.record import FSLRRecord
 
 # ---------------------------------------------------------------------------------- tiny task
@@ -336,6 +338,11 @@ def test_summarise_best_lr_shift_and_seed_mean() -> None:
     assert s["modes"]["standard"]["loss"]["8"][3] is None
     assert s["modes"]["flerm"]["shift_octaves"] == 0.0
     assert s["modes"]["flerm"]["best_loss"] == {"1": pytest.approx(1.0), "8": pytest.approx(0.4)}
+    # scale labels name the table's rows and the figure's lines (the LoRA example's ranks)
+    s["scale_labels"] = {"1": "rank 2", "8": "rank 16"}
+    rows = format_table(s).splitlines()
+    assert rows[1].startswith("rank 2 ") and rows[2].startswith("rank 16 ")
+    assert _scale_label(s, 8.0) == "rank 16"
     # a missing seed makes the cell unusable, not better
     del runs[RunSpec("flerm", 8.0, 0.25, 1).key]
     assert summarise(cfg, runs)["modes"]["flerm"]["best_lr"]["8"] == 0.5

@@ -149,7 +149,8 @@ def format_table(summary: Mapping[str, Any]) -> str:
     """The best learning rate and loss per scale for each mode, and the shifts in octaves.
 
     A best learning rate on the edge of the grid is marked ``!`` and a shift that is only a
-    lower bound ``>=``, explained in a last line.
+    lower bound ``>=``, explained in a last line. Rows are named ``<scale>x``, or by the
+    summary's optional ``"scale_labels"`` (``{scale key: label}``).
 
     Example:
         >>> s = {"axis": "width", "scales": [1.0, 8.0], "modes": {
@@ -165,7 +166,8 @@ def format_table(summary: Mapping[str, Any]) -> str:
     """
     modes = [m for m in MODES if m in summary["modes"]]
     keys = [scale_key(float(scale)) for scale in summary["scales"]]
-    w = max(8, len(summary["axis"]), *(len(k) + 1 for k in keys))  # first column
+    labels = {k: summary.get("scale_labels", {}).get(k, k + "x") for k in keys}
+    w = max(8, len(summary["axis"]), *(len(v) for v in labels.values()))  # first column
     head = f"{summary['axis']:<{w}} " + " ".join(f"{m + ' best lr':<18} {'loss':<8}" for m in modes)
     lines = [head]
     for sk in keys:
@@ -175,7 +177,7 @@ def format_table(summary: Mapping[str, Any]) -> str:
             lr = _fmt_lr(summary["modes"][m]["best_lr"].get(sk))
             lr += "!" if sk in summary["modes"][m].get("edge", ()) else ""
             cells.append(f"{lr:<18} {'-' if loss is None else f'{loss:.4f}':<8}")
-        lines.append(f"{sk + 'x':<{w}} " + " ".join(cells))
+        lines.append(f"{labels[sk]:<{w}} " + " ".join(cells))
     shifts = []
     for m in modes:
         x = summary["modes"][m]["shift_octaves"]
