@@ -33,7 +33,8 @@ in seconds and an interrupted one resumes. Run:
 ``python benchmarks/transfer.py --jobs 2`` (the ResMLP sweep is the demo's 324 runs, a few
 minutes on two cores; the transformer sweep takes longer, see docs/reproduction.md).
 ``--flerm-mode periodic`` and the other ``SweepConfig`` overrides below measure FLeRM variants
-on the same sweeps.
+on the same sweeps; ``--norm postnorm`` or ``--norm prenormpostmod`` runs the transformer sweep
+with the paper's other norm placements.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from fslr_func.experiments.configs import DEMO, SweepConfig, octaves, scale_key
+from fslr_func.experiments.configs import DEMO, NORMS, SweepConfig, octaves, scale_key
 from fslr_func.experiments.mup import mup_init_task
 from fslr_func.experiments.run import RunSpec
 from fslr_func.experiments.sweep import SweepResult, builtin_task, format_table, run_sweep
@@ -177,6 +178,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--flerm-mode", choices=("static", "periodic"), default="static")
     p.add_argument("--steps", type=int, default=None, help="override the steps per run")
     p.add_argument(
+        "--norm",
+        choices=NORMS,
+        default="prenorm",
+        help="the transformer sweep's norm placement (its folder is named after a non-default)",
+    )
+    p.add_argument(
         "--flerm-init",
         choices=("standard", "mup"),
         default="standard",
@@ -189,19 +196,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         changes: dict[str, Any] = {"seeds": args.seeds, "flerm_mode": args.flerm_mode}
         if args.steps is not None:
             changes.update(steps=args.steps, last=max(1, args.steps // 5))
+        folder = name
+        if name == "transformer" and args.norm != "prenorm":
+            changes["norm"] = args.norm
+            folder = f"{name}-{args.norm}"
         config = SWEEPS[name].replace(**changes)
-        result = run_sweep(config, args.out / name, jobs=args.jobs, quiet=True)
+        result = run_sweep(config, args.out / folder, jobs=args.jobs, quiet=True)
         candidate = None
         if args.flerm_init == "mup":
             task = mup_init_task(builtin_task(config), config.base_scale)
             candidate = run_sweep(
                 config.replace(modes=("flerm",)),
-                args.out / f"{name}_mupinit",
+                args.out / f"{folder}_mupinit",
                 task=task,
                 jobs=args.jobs,
                 quiet=True,
             )
-        met += report(name, config, result, candidate)
+        met += report(folder, config, result, candidate)
     print(
         f"\nFLeRM (the library's default), tuned reading: {sum(met)} of {len(met)} targets met "
         "(by the seed-spread criterion; see the paired differences)"
