@@ -48,3 +48,15 @@ def test_cli_check_builtin(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     with pytest.raises(SystemExit) as err:
         main(["check", "--steps", "1", "--out", str(out)])
     assert err.value.code == 2
+
+
+@pytest.mark.parametrize("axis", ["depth", "width_depth"])
+def test_cli_check_along_depth_shares_blocks(
+    axis: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # the built-in task carries its axis's policy: blocks with no base tensor are matched
+    args = ["check", "--data", "digits", "--width", "8", "--depth", "2", "--axis", axis]
+    assert main([*args, "--scales", "1,2", "--steps", "3", "--out", str(tmp_path)]) == 0
+    capsys.readouterr()
+    result = json.loads((tmp_path / "check.json").read_text())
+    assert result["modes"]["flerm"]["movement"]["blocks.0.linear.weight"][1] > 0

@@ -121,7 +121,8 @@ def builtin_task(config: SweepConfig) -> Task:
 
     ResMLP on ``mnist1d`` (generated locally, ``config.num_samples`` samples) or ``digits``;
     the transformer on Python's documentation as bytes (``text``). ``evaluate`` is the loss on
-    the held-out split. Picklable, so it can be sent to worker processes.
+    the held-out split; ``policy`` is the config's FLeRM policy (:attr:`SweepConfig.policy`).
+    Picklable, so it can be sent to worker processes.
 
     Raises:
         ConfigError: for an invalid config, or a batch larger than the training set.
@@ -160,5 +161,6 @@ def builtin_task(config: SweepConfig) -> Task:
         train_batches=train_batches,
         probe_batches=functools.partial(_probe_inputs, train_batches),
         loss_fn=loss_fn,
+        policy=config.policy,
         evaluate=functools.partial(_evaluate, x_test, y_test, loss_fn),
     )
