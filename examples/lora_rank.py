@@ -23,9 +23,10 @@ The base runs use two learning rates (``A``'s and ``B``'s); the record keeps eac
 tensor gets ``lr_base(W) * FSLR_base(W) / FSLR(W)``.
 
 It prints the sweep's table (best rate per rank, ``!`` on the grid's edge, the shift in
-octaves), the largest rank's loss at the base rank's best rate, and writes the figure
-(``docs/img/lora_rank_B.png`` or ``_A.png``): training loss (mean of the last 20 steps, over
-the seeds) against the swept rate, one line per rank; a line that stops marks a diverged run.
+octaves) and the largest rank's loss at the base rank's best rate, and writes the figure
+(``docs/img/lora_rank_B.png`` or ``_A.png``; the numbers beside it as ``.json``): training loss
+(mean of the last 20 steps, over the seeds) against the swept rate, one line per rank; a line
+that stops marks a diverged run.
 
 Run: ``python examples/lora_rank.py --sweep B`` (about 10 minutes on 2 CPU cores, ``--jobs``
 processes); ``--quick`` for a smoke run (2 ranks, 3 rates, 1 seed, 30 steps).
@@ -48,6 +49,7 @@ import torch
 from torch import Tensor
 
 import fslr_func as ff
+from fslr_func.atomic import write_json
 from fslr_func.experiments import lm_batches, lm_loss, pydoc_text, stdlib_source
 from fslr_func.experiments.cache import mean_record
 from fslr_func.experiments.configs import SweepConfig, scale_key
@@ -294,7 +296,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"\nrank {ranks[-1]} at the rank-{base_rank} optimum:")
     print(_transferred(summary, runs, args.seeds))
     plot_transfer(summary, out, xlabel=f"learning rate of {args.sweep}")
-    print(f"wrote {out} ({time.time() - start:.0f} s in all)")
+    write_json(out.with_suffix(".json"), {"summary": summary, "runs": runs})
+    print(f"wrote {out} and its .json ({time.time() - start:.0f} s in all)")
     return summary
 
 

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import subprocess
 import sys
@@ -462,3 +463,5 @@ def test_lora_rank_example_quick_run(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     assert out.exists() and out.stat().st_size > 10_000
     assert "flerm best lr" in result.stdout and "rank 8 at the rank-2 optimum" in result.stdout
+    saved = json.loads(out.with_suffix(".json").read_text())
+    assert set(saved["summary"]["modes"]) == {"standard", "flerm"} and len(saved["runs"]) == 12
