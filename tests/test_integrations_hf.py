@@ -11,20 +11,15 @@ from typing import Any
 
 import pytest
 import torch
+from _scripts import load_script
 
 from fslr_func.record import FSLRRecord
 
 pytest.importorskip("transformers")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "hf_trainer.py"
-
 
 def example() -> Any:
-    spec = importlib.util.spec_from_file_location("hf_trainer_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("examples/hf_trainer.py")
 
 
 def check(tmp_path: Path, arch: str) -> None:

@@ -4,25 +4,19 @@ whose weights equal the uninterrupted run's."""
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
+from _scripts import load_script
 
 from fslr_func.record import FSLRRecord
 
 pytest.importorskip("lightning")
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "lightning.py"
-
 
 def test_lightning_record_flerm_checkpoint_resume(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("lightning_example", EXAMPLE)
-    assert spec is not None and spec.loader is not None
-    module: Any = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_script("examples/lightning.py")
     full, resumed = module.main(str(tmp_path), steps=4)
     record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
     assert record.steps == [1, 2]  # step 0 has rate 0 (warm-up from 0): its probes at step 1
