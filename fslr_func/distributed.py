@@ -49,6 +49,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, get_args
@@ -130,12 +131,17 @@ def omega_span(sizes: Sequence[int], rank: int) -> tuple[int, int]:
     return int(sum(sizes[:rank])), int(sum(sizes))
 
 
+#: The output size sent by a rank that cannot probe its shard (:meth:`DataParallelReduction.abort`).
+_FAILED = -1
+
+
 def _gather_layout(
     num_outputs: int, num_params: int, samples: int, group: ProcessGroup
 ) -> list[int]:
     """All ranks' output sizes; checks that all ranks probe the same tensors and samples.
 
-    Every rank sees the same gathered table, so on a mismatch every rank raises (no hang).
+    Every rank sees the same gathered table, so on a mismatch, or a rank that could not probe
+    (``num_outputs == _FAILED``), every rank raises (no hang).
     """
     _, world = rank_and_size(group)
     local = torch.tensor(
@@ -144,6 +150,12 @@ def _gather_layout(
     table = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(table, local, group=group)
     rows = [[int(v) for v in t.tolist()] for t in table]
+    failed = [i for i, r in enumerate(rows) if r[0] == _FAILED]
+    if failed:
+        raise ValueError(
+            f"rank(s) {failed} could not probe their shard of the probe batch (their own error "
+            "says why): every rank leaves this probe"
+        )
     if len({(r[1], r[2]) for r in rows}) != 1:
         raise ValueError(
             "ranks disagree on the probe: (probed parameter elements, samples) per rank = "
@@ -229,6 +241,13 @@ class DataParallelReduction:
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """One all-reduce (sum) per dtype of the chunk's per-sample gradients."""
         return all_reduce_gradients(grads, self.group)
+
+    def abort(self, delta: Mapping[str, Tensor], samples: int) -> None:
+        """Join the other ranks' layout gather as a rank that cannot probe, so that they raise
+        instead of waiting; this rank then raises its own error (the caller re-raises it)."""
+        num_params = sum(d.numel() for d in delta.values())
+        with contextlib.suppress(ValueError):
+            _gather_layout(_FAILED, num_params, samples, self.group)
 
 
 def probe(

@@ -191,7 +191,8 @@ class GradientReduction(Protocol):
 
     The probe calls :meth:`omega_slice` once, after its forward, and :meth:`reduce` on every
     chunk of per-sample gradients before their statistics are taken, so the statistics are
-    those of the global batch on every process.
+    those of the global batch on every process. A process whose forward or input checks raise
+    calls :meth:`abort` instead of :meth:`omega_slice` before re-raising.
     """
 
     def omega_slice(
@@ -206,6 +207,11 @@ class GradientReduction(Protocol):
 
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """Per-sample gradients ``(chunk, *shape)`` summed over the processes."""
+        ...
+
+    def abort(self, delta: Mapping[str, Tensor], samples: int) -> None:
+        """Called instead of :meth:`omega_slice` when this process cannot probe (its forward or
+        its checks raised): lets the other processes raise too rather than wait for it."""
         ...
 
 
@@ -251,7 +257,12 @@ def run_probe(
     Returns:
         A :class:`ProbeResult`.
     """
-    setup = prepare_vjp(model, inputs, delta, options, params=params, strict=strict)
+    try:
+        setup = prepare_vjp(model, inputs, delta, options, params=params, strict=strict)
+    except ValueError:
+        if reduction is not None:
+            reduction.abort(delta, options.samples)
+        raise
     local = setup.num_outputs
     where = (
         OmegaSlice(generator, local, 0, local)

@@ -7,6 +7,7 @@ concatenated batch with the same omega seed, and be bitwise identical across ran
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -111,6 +112,23 @@ def _check_estimates(rank: int) -> None:
     # Ranks that disagree on the probe all raise (no rank is left waiting in a collective).
     with pytest.raises(ValueError, match="ranks disagree"):
         fd.probe(model, _shard(x_probe, rank), delta, samples=3 + rank)
+
+    # A rank whose shard cannot be probed (empty; NaN in a one-shot estimate) raises its own
+    # error and every other rank raises too, naming it, instead of waiting for it forever.
+    for bad, own in [(x_probe[:0], "probe batch is empty"), (x_probe * math.nan, "NaN or Inf")]:
+        shard = bad if rank == 1 else _shard(x_probe, rank)
+        with pytest.raises(ValueError, match=own if rank == 1 else r"rank\(s\) \[1\] could not"):
+            fd.estimate(model, shard, delta, samples=4, generator=torch.Generator().manual_seed(3))
+    # and the group is still usable: the next probe agrees across ranks
+    _assert_same_on_all_ranks(
+        fd.estimate(
+            model,
+            _shard(x_probe, rank),
+            delta,
+            samples=4,
+            generator=torch.Generator().manual_seed(3),
+        )
+    )
 
 
 def _check_sparse_embedding(rank: int) -> None:
