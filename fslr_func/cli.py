@@ -38,6 +38,7 @@ from .experiments.configs import (
     AXES,
     DATA,
     DEMO,
+    FLERM_INITS,
     MODELS,
     MODES,
     NORMS,
@@ -247,6 +248,14 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
             "identity; equal and equal_all are the paper's ablations)",
         },
     ),
+    "flerm_init": (
+        "--flerm-init",
+        {
+            "choices": FLERM_INITS,
+            "help": "FLeRM's models: the standard initialisation, or muP's initialisation and "
+            "readout multiplier (FLeRM still sets every rate)",
+        },
+    ),
     "flerm_mode": (
         "--flerm-mode",
         {
@@ -388,7 +397,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
         parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
     norm = "" if config.norm == "prenorm" else f"-{config.norm}"
     policy = "" if config.flerm_policy is None else f"-{config.flerm_policy}"
-    name = "demo" if demo else f"{config.model}{norm}_{config.axis}{policy}"
+    init = "" if config.flerm_init == "standard" else f"-{config.flerm_init}init"
+    name = "demo" if demo else f"{config.model}{norm}_{config.axis}{policy}{init}"
     out: Path = args.out or Path("fslr_runs") / name
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {str(out)!r} exists and is not a folder")

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from fslr_func.experiments.configs import SweepConfig
 from fslr_func.experiments.models import ResMLP, Transformer
 from fslr_func.experiments.mup import apply_mup, mup_groups, readouts, width_mults
 from fslr_func.experiments.summary import format_table
@@ -141,6 +142,20 @@ def test_mup_sweep_mode_is_standard_at_the_base_scale(tmp_path):
     wide = result.runs["mup_scale=2_lr=0.01_seed=0"]["mup"]["lrs"]
     assert wide["blocks.0.weight"] == 0.005 and wide["readout.weight"] == 0.01
     assert "mup best lr" in format_table(result.summary)
+
+
+def test_flerm_init_mup_trains_flerm_on_mup_initialised_models(tmp_path):
+    plain = _tiny_sweep(tmp_path / "plain", modes=("standard", "flerm"))
+    mup = _tiny_sweep(tmp_path / "mup", modes=("standard", "flerm"), flerm_init="mup")
+    config = SweepConfig(flerm_init="mup")
+    assert config.fingerprint() != config.replace(flerm_init="standard").fingerprint()
+    key = "flerm_scale={}_lr=0.01_seed=0"
+    # the base scale is the task's own model, so FLeRM there is unchanged
+    assert mup.runs[key.format(1)]["losses"] == plain.runs[key.format(1)]["losses"]
+    # the wide model has muP's readout (multiplier 1/2): another model, other FSLRs and rates
+    wide, wide_plain = mup.runs[key.format(2)], plain.runs[key.format(2)]
+    assert wide["losses"] != wide_plain["losses"]
+    assert wide["flerm"]["lrs"]["readout.weight"] != wide_plain["flerm"]["lrs"]["readout.weight"]
 
 
 @pytest.mark.parametrize("norm", ["postnorm", "prenormpostmod"])

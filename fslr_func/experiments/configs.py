@@ -44,6 +44,7 @@ __all__ = [
     "DATA",
     "DEMO",
     "DEPTH_AXES",
+    "FLERM_INITS",
     "MODELS",
     "MODES",
     "NORMS",
@@ -60,6 +61,8 @@ __all__ = [
 AXES = ("width", "depth", "width_depth", "init_scale")
 #: Axes that change the number of blocks (FLeRM's default policy there: ``share_blocks``).
 DEPTH_AXES = ("depth", "width_depth")
+#: Initialisations of FLeRM's models (:attr:`SweepConfig.flerm_init`).
+FLERM_INITS = ("standard", "mup")
 #: Built-in model families.
 MODELS = ("resmlp", "transformer")
 #: Data sets each built-in model can train on.
@@ -160,6 +163,10 @@ class SweepConfig:
         flerm_policy: FLeRM's policy by name (:data:`fslr_func.policies.POLICIES`), e.g. the
             paper's ablations ``"equal"`` and ``"equal_all"``; ``None``: the axis's own
             (:attr:`policy`).
+        flerm_init: the models of FLeRM's runs: ``"standard"`` (the task's own) or ``"mup"``
+            (muP's initialisation and readout multiplier,
+            :func:`~fslr_func.experiments.mup.mup_init_task`; FLeRM still sets every rate; the
+            same model as the task's at the base scale).
         flerm_mode: ``"static"`` (the paper's main results: rates set once, at step 0, after
             the EMA warm-up) or ``"periodic"`` (and again every ``every`` steps, matching the
             base record over time).
@@ -194,6 +201,7 @@ class SweepConfig:
     warmup_samples: int = 40
     every: int = 10
     flerm_policy: str | None = None
+    flerm_init: str = "standard"
     flerm_mode: Mode = "static"
     modes: tuple[str, ...] = MODES
     strategy: Strategy = "vmap"
@@ -385,6 +393,11 @@ class SweepConfig:
             f"must be one of {', '.join(POLICIES)}, got {self.flerm_policy!r}",
         )
         need(
+            self.flerm_init in FLERM_INITS,
+            "flerm_init",
+            f"must be one of {', '.join(FLERM_INITS)}, got {self.flerm_init!r}",
+        )
+        need(
             self.flerm_mode in ("static", "periodic"),
             "flerm_mode",
             f"must be 'static' or 'periodic', got {self.flerm_mode!r}",
@@ -466,8 +479,9 @@ class SweepConfig:
         """Hash of the fields that change what one run computes (not the grid: scales, lrs,
         seeds, modes), plus ``extra``; cached runs with another fingerprint are re-run.
 
-        ``norm`` and ``flerm_policy`` enter only when they are not their defaults (``"prenorm"``,
-        ``None``), so sweeps cached before those fields existed keep their fingerprints.
+        ``norm``, ``flerm_policy`` and ``flerm_init`` enter only when they are not their
+        defaults (``"prenorm"``, ``None``, ``"standard"``), so sweeps cached before those fields
+        existed keep their fingerprints.
 
         Example:
             >>> a, b = SweepConfig(lrs=(0.1,)), SweepConfig(lrs=(0.1, 0.2), seeds=5)
@@ -485,6 +499,8 @@ class SweepConfig:
             del d["norm"]
         if d["flerm_policy"] is None:
             del d["flerm_policy"]
+        if d["flerm_init"] == "standard":
+            del d["flerm_init"]
         if extra:
             d["extra"] = dict(extra)
         text = json.dumps(d, sort_keys=True, default=repr)

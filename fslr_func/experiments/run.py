@@ -28,7 +28,7 @@ from ..record import FSLRRecord
 from ..recorder import Recorder
 from ..wrap import with_fslr
 from .configs import MODES, SweepConfig, lr_key, scale_key
-from .mup import apply_mup, base_shapes
+from .mup import apply_mup, base_shapes, mup_init_task
 from .task import Task
 from .train import AroundStep, OnStep, last_mean, make_optimizer, make_schedule, train
 
@@ -160,8 +160,11 @@ def execute(
     if spec.mode == "flerm" and base is None:
         raise ValueError("a FLeRM run needs the base record of its learning rate")
     start = time.perf_counter()
+    build = task.build
+    if spec.mode == "flerm" and config.flerm_init == "mup":
+        build = mup_init_task(task, config.base_scale).build
     torch.manual_seed(spec.seed)
-    model = task.build(spec.scale, spec.seed)
+    model = build(spec.scale, spec.seed)
     params: Any = model.parameters()
     mup_lrs: dict[str, float] = {}
     if spec.mode == "mup":
