@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -49,7 +48,7 @@ from typing import Any
 
 from fslr_func.experiments.configs import DEMO, NORMS, SweepConfig, octaves, scale_key
 from fslr_func.experiments.mup import mup_init_task
-from fslr_func.experiments.run import RunSpec
+from fslr_func.experiments.summary import transferred
 from fslr_func.experiments.sweep import SweepResult, builtin_task, format_table, run_sweep
 
 #: The two sweeps of the targets.
@@ -65,35 +64,6 @@ SWEEPS: dict[str, SweepConfig] = {
         seeds=3,
     ),
 }
-
-
-def transferred(
-    config: SweepConfig, summary: Mapping[str, Any], runs: Mapping[str, Any], mode: str, lr: float
-) -> dict[str, Any]:
-    """The largest model's losses at ``lr`` over the seeds, and the shift from ``lr`` to its
-    own best learning rate there.
-
-    Returns:
-        ``{"lr", "mean", "sd", "losses", "shift", "bound"}``; ``mean`` is ``inf`` if a seed
-        diverged or is missing; ``bound`` when the largest scale's best rate is on the grid's
-        edge (the shift is then a lower bound on its size).
-    """
-    data = summary["modes"][mode]
-    top = scale_key(config.scales[-1])
-    losses = []
-    for seed in range(config.seeds):
-        loss = (runs.get(RunSpec(mode, config.scales[-1], lr, seed).key) or {}).get("loss")
-        losses.append(math.inf if loss is None else float(loss))
-    finite = all(math.isfinite(v) for v in losses)
-    best = data["best_lr"][top]
-    return {
-        "lr": lr,
-        "mean": statistics.fmean(losses) if finite else math.inf,
-        "sd": statistics.stdev(losses) if finite and len(losses) > 1 else 0.0,
-        "losses": losses,
-        "shift": None if best is None else round(math.log2(best / lr), 6),
-        "bound": top in data.get("edge", ()),
-    }
 
 
 def _targets(judged: str, got: Mapping[str, dict[str, Any]], top: str) -> list[bool]:

@@ -35,6 +35,7 @@ processes); ``--quick`` for a smoke run (2 ranks, 3 rates, 1 seed, 30 steps).
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import multiprocessing
 import os
@@ -54,7 +55,7 @@ from fslr_func.experiments import lm_batches, lm_loss, pydoc_text, stdlib_source
 from fslr_func.experiments.cache import mean_record
 from fslr_func.experiments.configs import SweepConfig, scale_key
 from fslr_func.experiments.run import RunSpec, finite_or_none
-from fslr_func.experiments.summary import format_table, summarise
+from fslr_func.experiments.summary import format_table, summarise, transferred
 from fslr_func.flerm import FLeRM
 from fslr_func.plot import plot_transfer
 from fslr_func.record import FSLRRecord
@@ -191,17 +192,16 @@ def _run_all(jobs: list[tuple[Any, ...]], workers: int) -> list[tuple[float, FSL
         return list(pool.map(_cell, jobs))
 
 
-def _transferred(summary: Mapping[str, Any], runs: Mapping[str, Any], seeds: int) -> str:
+def _transferred(config: SweepConfig, summary: Mapping[str, Any], runs: Mapping[str, Any]) -> str:
     """The largest rank's loss at the base rank's best learning rate, mean and per seed."""
-    scales = summary["scales"]
     lines = []
     for mode, data in summary["modes"].items():
-        tuned = data["best_lr"][scale_key(scales[0])]
+        tuned = data["best_lr"][scale_key(config.scales[0])]
         if tuned is None:
             continue
-        per_seed = [runs[RunSpec(mode, scales[-1], tuned, s).key]["loss"] for s in range(seeds)]
-        shown = ", ".join("diverged" if v is None else f"{v:.3f}" for v in per_seed)
-        mean = "diverged" if None in per_seed else f"{sum(per_seed) / seeds:.3f}"
+        t = transferred(config, summary, runs, mode, tuned)
+        shown = ", ".join(f"{v:.3f}" if math.isfinite(v) else "diverged" for v in t["losses"])
+        mean = f"{t['mean']:.3f}" if math.isfinite(t["mean"]) else "diverged"
         lines.append(f"  {mode:8s} at {tuned:.3g}: {mean} (seeds {shown})")
     return "\n".join(lines)
 
@@ -267,11 +267,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bases = {lr: mean_record(records[lr]) for lr in lrs}
     cells = [(r, lr, s) for r in ranks[1:] for lr in lrs for s in seeds if bases[lr] is not None]
     done = _run_all([job(r, lr, s, False, bases[lr]) for r, lr, s in cells], args.jobs)
-    for rank in ranks[1:]:  # a rate whose base runs all diverged has no FLeRM run
-        for lr in lrs:
-            for s in seeds:
-                runs[RunSpec("flerm", rank / base_rank, lr, s).key] = {"loss": None}
-    for (rank, lr, s), (loss, _) in zip(cells, done, strict=True):
+    losses = {cell: loss for cell, (loss, _) in zip(cells, done, strict=True)}
+    for rank, lr, s in itertools.product(ranks[1:], lrs, seeds):
+        # a rate whose base runs all diverged has no FLeRM run: it scores as diverged
+        loss = losses.get((rank, lr, s), math.inf)
         runs[RunSpec("flerm", rank / base_rank, lr, s).key] = {"loss": finite_or_none(loss)}
 
     config = SweepConfig(
@@ -294,7 +293,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     print(format_table(summary))
     print(f"\nrank {ranks[-1]} at the rank-{base_rank} optimum:")
-    print(_transferred(summary, runs, args.seeds))
+    print(_transferred(config, summary, runs))
     plot_transfer(summary, out, xlabel=f"learning rate of {args.sweep}")
     write_json(out.with_suffix(".json"), {"summary": summary, "runs": runs})
     print(f"wrote {out} and its .json ({time.time() - start:.0f} s in all)")

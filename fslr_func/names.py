@@ -38,6 +38,7 @@ __all__ = [
     "BLOCK_PATTERN",
     "WRAPPER_PREFIXES",
     "block_index",
+    "block_role",
     "compile_block_pattern",
     "recorded_names",
     "short_list",
@@ -81,6 +82,22 @@ def block_index(name: str, pattern: re.Pattern[str] = _DEFAULT) -> int | None:
     """
     match = pattern.search(name)
     return int(match.group(1)) if match else None
+
+
+def block_role(name: str, pattern: re.Pattern[str] = _DEFAULT) -> str:
+    """``name`` with its block index replaced by ``*``: the tensor's role in its stack of blocks
+    (``name`` itself outside the blocks).
+
+    Args:
+        name: a ``named_parameters()`` name.
+        pattern: a compiled block pattern (:func:`compile_block_pattern`).
+
+    Example:
+        >>> block_role("blocks.7.lin.weight"), block_role("readout.bias")
+        ('blocks.*.lin.weight', 'readout.bias')
+    """
+    match = pattern.search(name)
+    return name if match is None else f"{name[: match.start(1)]}*{name[match.end(1) :]}"
 
 
 def short_list(names: Iterable[str], limit: int = 10) -> str:

@@ -115,20 +115,21 @@ def _colours(n: int) -> list[Any]:
 
 
 def _scale_label(summary: Mapping[str, Any], scale: float) -> str:
+    from .experiments.configs import DEPTH_AXES, WIDTH_AXES, SweepConfig
+
     labels = summary.get("scale_labels")
     if isinstance(labels, Mapping) and f"{scale:g}" in labels:
         return str(labels[f"{scale:g}"])
     axis = summary.get("axis", "scale")
     config = summary.get("config")
-    if isinstance(config, Mapping) and axis in ("width", "depth", "width_depth"):
-        from .experiments.configs import SweepConfig
-
+    if isinstance(config, Mapping) and axis in (*WIDTH_AXES, *DEPTH_AXES):
         try:
             cfg = SweepConfig.from_dict(config)
             if summary.get("task", cfg.task_name) == cfg.task_name:  # a built-in model
                 kw = cfg.model_kwargs(scale)
-                sizes = ", ".join(f"{a} {kw[a]}" for a in ("width", "depth") if a in axis)
-                return f"{sizes} ({scale:g}x)"
+                sizes = [f"width {kw['width']}"] if axis in WIDTH_AXES else []
+                sizes += [f"depth {kw['depth']}"] if axis in DEPTH_AXES else []
+                return f"{', '.join(sizes)} ({scale:g}x)"
         except (TypeError, ValueError, KeyError):
             pass
     return f"{axis} {scale:g}x"

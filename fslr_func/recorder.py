@@ -318,7 +318,8 @@ class Recorder:
                 stacklevel=4,
             )
             return
-        still = [n for n in names if n not in moved]
+        moved_set = set(moved)
+        still = [n for n in names if n not in moved_set]
         if still:
             self._note(
                 f"still {still}",

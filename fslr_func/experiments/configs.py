@@ -48,6 +48,7 @@ __all__ = [
     "MODELS",
     "MODES",
     "NORMS",
+    "WIDTH_AXES",
     "ConfigError",
     "SweepConfig",
     "lr_key",
@@ -59,6 +60,8 @@ __all__ = [
 #: Axes a sweep can scale; the base model is the smallest scale. ``width_depth`` multiplies the
 #: width and the number of blocks by the same scale.
 AXES = ("width", "depth", "width_depth", "init_scale")
+#: Axes that change the width.
+WIDTH_AXES = ("width", "width_depth")
 #: Axes that change the number of blocks (FLeRM's default policy there: ``share_blocks``).
 DEPTH_AXES = ("depth", "width_depth")
 #: Initialisations of FLeRM's models (:attr:`SweepConfig.flerm_init`).
@@ -281,7 +284,7 @@ class SweepConfig:
             {'width': 64, 'depth': 8, 'init_scale': 1.0}
         """
         width, depth, init_scale = self.width, self.depth, self.init_scale
-        if self.axis in ("width", "width_depth"):
+        if self.axis in WIDTH_AXES:
             width = round(width * scale)
         if self.axis in DEPTH_AXES:
             depth = round(depth * scale)
@@ -423,7 +426,7 @@ class SweepConfig:
     def _validate_builtin(self, need: Callable[[bool, str, str], None]) -> None:
         """The checks of :meth:`validate` that only concern the built-in models and data."""
         scaled: list[tuple[str, int, str]] = []
-        if self.axis in ("width", "width_depth"):
+        if self.axis in WIDTH_AXES:
             scaled.append(("width", self.width, "units"))
         if self.axis in DEPTH_AXES:
             scaled.append(("depth", self.depth, "blocks"))
@@ -443,7 +446,7 @@ class SweepConfig:
             f"must be at most the {train_size} training samples of {self.data}, "
             f"got {self.batch_size}",
         )
-        if self.model == "transformer" and self.axis in ("width", "width_depth"):
+        if self.model == "transformer" and self.axis in WIDTH_AXES:
             bad = [s for s in self.scales if round(self.width * s) % 16]
             need(
                 not bad and self.width % 16 == 0,

@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..names import compile_block_pattern
+from ..names import block_role
 
 if TYPE_CHECKING:
     from .task import Task
@@ -81,25 +81,11 @@ SGD_LIKE = ("sgd",)
 Mults = dict[str, tuple[float | None, ...]]
 
 
-_BLOCKS = compile_block_pattern()
-
-
-def _role(name: str) -> str:
-    """``name`` with its block index replaced by ``*`` (itself outside blocks).
-
-    Example:
-        >>> _role("blocks.7.lin.weight"), _role("readout.bias")
-        ('blocks.*.lin.weight', 'readout.bias')
-    """
-    m = _BLOCKS.search(name)
-    return name if m is None else f"{name[: m.start(1)]}*{name[m.end(1) :]}"
-
-
 def _role_shapes(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
     """The shape of each role's first tensor among ``shapes``."""
     roles: dict[str, tuple[int, ...]] = {}
     for name, shape in shapes.items():
-        roles.setdefault(_role(name), shape)
+        roles.setdefault(block_role(name), shape)
     return roles
 
 
@@ -125,7 +111,7 @@ def width_mults(model: nn.Module, base: nn.Module | Mapping[str, Any]) -> Mults:
     for name, p in model.named_parameters():
         ref = shapes.get(name)
         if ref is None:
-            ref = roles.get(_role(name), tuple(p.shape))
+            ref = roles.get(block_role(name), tuple(p.shape))
         if len(ref) != p.dim():
             raise ValueError(f"{name}: base shape {list(ref)} vs {list(p.shape)}: another rank")
         out[name] = tuple(None if b == n else n / b for b, n in zip(ref, p.shape, strict=True))

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 from collections.abc import Mapping
 from typing import Any
 
 from .configs import MODES, SweepConfig, scale_key
 from .run import RunSpec, finite_or_none
 
-__all__ = ["format_table", "summarise"]
+__all__ = ["format_table", "summarise", "transferred"]
 
 
 def _seed_mean(cell: list[Mapping[str, Any] | None], field: str) -> float | None:
@@ -189,3 +190,47 @@ def format_table(summary: Mapping[str, Any]) -> str:
             "! best learning rate on the edge of the grid: widen --lrs (a shift >= is a bound)"
         )
     return "\n".join(line.rstrip() for line in lines)
+
+
+def transferred(
+    config: SweepConfig, summary: Mapping[str, Any], runs: Mapping[str, Any], mode: str, lr: float
+) -> dict[str, Any]:
+    """The largest model's losses at ``lr`` over the seeds (the *transferred loss* when ``lr``
+    is the base model's best), and the shift from ``lr`` to its own best learning rate there.
+
+    Args:
+        config: the sweep's config (scales and seeds).
+        summary: its :func:`summarise` document.
+        runs: run key -> result (``{"loss": ...}``, ``None`` for a diverged run).
+        mode: the mode to read.
+        lr: the learning rate to read the largest scale at.
+
+    Returns:
+        ``{"lr", "mean", "sd", "losses", "shift", "bound"}``; ``mean`` is ``inf`` if a seed
+        diverged or is missing; ``bound`` when the largest scale's best rate is on the grid's
+        edge (the shift is then a lower bound on its size).
+
+    Example:
+        >>> config = SweepConfig(scales=(1, 2), lrs=(0.25, 0.5), seeds=2, modes=("standard",))
+        >>> runs = {RunSpec("standard", s, lr, k).key: {"loss": s * lr + k}
+        ...         for s in (1, 2) for lr in (0.25, 0.5) for k in (0, 1)}
+        >>> t = transferred(config, summarise(config, runs), runs, "standard", 0.5)
+        >>> t["losses"], t["mean"], t["shift"]
+        ([1.0, 2.0], 1.5, -1.0)
+    """
+    data = summary["modes"][mode]
+    top = scale_key(config.scales[-1])
+    losses = []
+    for seed in range(config.seeds):
+        loss = (runs.get(RunSpec(mode, config.scales[-1], lr, seed).key) or {}).get("loss")
+        losses.append(math.inf if loss is None else float(loss))
+    finite = all(math.isfinite(v) for v in losses)
+    best = data["best_lr"][top]
+    return {
+        "lr": lr,
+        "mean": statistics.fmean(losses) if finite else math.inf,
+        "sd": statistics.stdev(losses) if finite and len(losses) > 1 else 0.0,
+        "losses": losses,
+        "shift": None if best is None else round(math.log2(best / lr), 6),
+        "bound": top in data.get("edge", ()),
+    }
