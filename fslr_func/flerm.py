@@ -33,8 +33,7 @@ each tensor its own base rate times the FSLR ratio,
 :math:`\eta_W = \mathrm{sched}(t) \, \eta_{0,W} \, \mathrm{FSLR}^\text{base}_W / \mathrm{FSLR}_W`,
 and under a depth policy the scaled tensors answering to ``b`` move the function by
 :math:`\sum_W \eta_W \mathrm{FSLR}_W = m_b` in all (with the base schedule). The step ``t`` is
-then re-applied with the new rates (weights and optimiser state restored to before the step,
-step again), as in the paper. The ratio :math:`r_W = T_W / \mathrm{FSLR}_W` is kept until the
+then taken at the new rates, as in the paper (its update scaled, below). The ratio :math:`r_W = T_W / \mathrm{FSLR}_W` is kept until the
 next set point, so :math:`\eta_W(t') = \eta_0 \, \mathrm{sched}(t') \, r_W` follows the
 schedule in between.
 
@@ -42,11 +41,13 @@ Set points: ``mode="static"`` (the paper's main results): once, at ``start_step`
 EMA warm-up (``ceil(warmup_samples / fm.samples)`` probes of that step's update on fresh probe
 batches); ``mode="periodic"``: also every ``every`` steps after it, with one probe each.
 
-Per-tensor rates without touching your param groups: inside ``flerm.step()`` the optimiser's
-``param_groups`` are replaced by one group per tensor (each a copy of its group's
-hyperparameters with the FLeRM rate) and put back when the block exits. Optimiser state is per
-parameter and is unaffected; outside the block the optimiser, its ``state_dict`` and any
-``torch.optim.lr_scheduler`` scheduler see your own groups, so a scheduler never fights FLeRM.
+Per-tensor rates without touching your param groups (:mod:`fslr_func.update_scaling`): the
+optimiser steps once, at its own groups' rates :math:`\eta_g`, and FLeRM then scales each
+tensor's update by :math:`\eta_W / \eta_g`, which is the step at :math:`\eta_W` for every
+optimiser whose update is proportional to its rate (SGD, Adam, AdamW, fused or not...; the
+others are refused at construction). The optimiser stays an ordinary optimiser: every
+scheduler, ``GradScaler``, ``state_dict``, group state and ``ZeroRedundancyOptimizer`` sees
+your own groups; at a set point the step is measured and then scaled, never re-taken.
 
 Schedules: ``scheduler=None``: :math:`\mathrm{sched}(t)` is the base run's ratio
 ``base.schedule_at(t)`` (the paper's cosine-annealing appendix): recorded at every step by the
@@ -81,7 +82,6 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import copy
 import hashlib
 import json
 import math
@@ -103,12 +103,12 @@ from .record_meta import is_learning_rate
 from .recorder import LogFn
 from .step_hooks import StepHooks
 from .transform import FSLRModule
+from .update_scaling import check_scalable, group_lr, scale_updates, snapshot
 
 __all__ = ["FLeRM", "SetPoint"]
 
 _STATE_VERSION = 2
 Mode = Literal["static", "periodic"]
-ParamGroup = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,7 @@ class SetPoint:
     r"""What FLeRM measured and set at one set point.
 
     Attributes:
-        step: the training step (re-applied with the new rates).
+        step: the training step (taken at the new rates).
         lrs: tensor name -> learning rate applied at ``step``, after the set point.
         fslr: tensor name -> the scaled model's FSLR estimate at unit learning rate.
         targets: tensor name -> the policy's target :math:`T_W` at ``step``: the base FSLRs,
@@ -137,8 +137,8 @@ class FLeRM:
 
     Either attach it once, ``flerm.attach()`` (the optimiser's step hooks: every
     ``optimizer.step()`` from then on, in any loop or framework), or use ``with flerm.step():
-    optimizer.step()`` on *every* training step, with nothing else in the block (at a set point
-    the step is re-applied by calling ``optimizer.step()`` again, with the same gradients).
+    optimizer.step()`` on *every* training step, with nothing else in the block (on exit the
+    step's update is scaled to FLeRM's rates).
     Call ``scheduler.step()`` after the step, as usual.
 
     A set point at which every rate is 0 (a warm-up from 0) or at which no parameter changed (a
@@ -224,12 +224,7 @@ class FLeRM:
                 f"generator), got {type(probe_batches).__name__}"
             )
         (self.optimizer,) = optimizers_of(optimizer)
-        if isinstance(self.optimizer, torch.optim.LBFGS):
-            raise ValueError(
-                "FLeRM cannot drive LBFGS: it sets per-tensor rates through one param group per "
-                "tensor and re-applies steps without a closure, and LBFGS allows one param group "
-                "and needs a closure; use a first-order optimiser (SGD, Adam, AdamW...)"
-            )
+        check_scalable(self.optimizer)
         self.fm = fm
         self.base = base
         self.scheduler = check_scheduler(scheduler, [self.optimizer])
@@ -241,14 +236,8 @@ class FLeRM:
         )
         self._feed = ProbeFeed(probe_batches)
         self._policy = policies.resolve(policy)
-        self._params = dict(fm.module.named_parameters())
-        self._name_of = {id(p): n for n, p in self._params.items()}
         self.names: list[str] = []
-        # policies see bare names on both sides (fslr_func.names): the scaled model's without
-        # its wrappers' prefixes, the record's read by recorded_names
-        prefix = fm.name_prefix
-        self._bare = {n: n.removeprefix(prefix) for n in self._params}
-        self._base_names = recorded_names(base.names, self._bare.values())
+        self._index_params()
         self._adopt_groups()
         self._check_base()
         self.lr0 = float(base.meta["base_lr"])
@@ -271,8 +260,11 @@ class FLeRM:
         self._targets(start_step)  # fail now, not at the set point, on a mismatched record
 
     def _adopt_groups(self) -> None:
-        """Take up the trainable tensors the optimiser holds (again after ``add_param_group``)."""
+        """Take up the trainable tensors the optimiser holds (again after ``add_param_group``,
+        after parameters were added to the model, e.g. late LoRA adapters, or frozen)."""
         held = {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+        if any(i not in self._name_of for i in held):
+            self._index_params()
         foreign = sum(1 for i in held if i not in self._name_of)
         if foreign:
             raise ValueError(
@@ -280,9 +272,24 @@ class FLeRM:
                 "FLeRM sets the rates of fm's parameters only; build the optimizer (and "
                 "add_param_group) from fm.parameters()"
             )
+        if self.scheduler is not None:  # the scaled run's schedule: lr / initial_lr per group
+            for g in self.optimizer.param_groups:
+                g.setdefault("initial_lr", g["lr"])  # ReduceLROnPlateau sets none
         names = [n for n, p in self._params.items() if p.requires_grad and id(p) in held]
         if names != self.names:
             self.names = names + [n for n in self.names if n not in names]
+
+    def _index_params(self) -> None:
+        """Read the model's parameters and their names (bare, and as the base record has them)."""
+        known = getattr(self, "_params", None)
+        self._params = dict(self.fm.module.named_parameters())
+        self._late = set() if known is None else self._late | (self._params.keys() - known.keys())
+        self._name_of = {id(p): n for n, p in self._params.items()}
+        # policies see bare names on both sides (fslr_func.names): the scaled model's without
+        # its wrappers' prefixes, the record's read by recorded_names
+        prefix = self.fm.name_prefix
+        self._bare = {n: n.removeprefix(prefix) for n in self._params}
+        self._base_names = recorded_names(self.base.names, self._bare.values())
 
     # ------------------------------------------------------------------ validation
 
@@ -321,7 +328,7 @@ class FLeRM:
                 f"between groupings (tensors {self.names[:10]}); use the base run's grouping in "
                 "with_fslr(..., grouping=...) or re-record the base"
             )
-        if self._policy is policies.identity:
+        if policies.is_one_to_one(self._policy):
             shapes = {self._base_names.get(n, n): s for n, s in base.shapes.items()}
             bad = [
                 f"{n!r}: base {list(shapes[b])} vs scaled {list(self._params[n].shape)}"
@@ -353,41 +360,59 @@ class FLeRM:
         # the policy maps the whole model (an optimiser may hold a subset: Muon + AdamW); under
         # the identity policy a base record of a subset is matched on that subset
         bare = self._bare
-        model = [bare[n] for n, p in self._params.items() if p.requires_grad or n in self.names]
-        if self._policy is policies.identity:
-            held = {bare[n] for n in self.names}
-            model = [n for n in model if n in moved or n in held]
+        if policies.is_one_to_one(self._policy):
+            # every tensor of the scaled model the record has, frozen ones included (freezing
+            # a tensor does not change the architecture); a record of a subset (Muon + AdamW)
+            # is matched on that subset
+            # tensors added to the model after FLeRM was built and absent from the record are
+            # held at their group's rate (_set_point)
+            model = [
+                bare[n]
+                for n in self._params
+                if bare[n] in moved or (n in self.names and n not in self._late)
+            ]
+        else:
+            model = [bare[n] for n, p in self._params.items() if p.requires_grad or n in self.names]
         targets = policies.apply(self._policy, moved, model, allow_zero=True)
-        return {n: targets[bare[n]] for n in self.names}
+        return {n: targets[bare[n]] for n in self.names if bare[n] in targets}
 
     # ------------------------------------------------------------------ rates
 
-    def _split(self, step: int) -> list[ParamGroup]:
-        """One param group per tensor, each with its group's hyperparameters and FLeRM rate."""
-        base_ratio = 1.0 if self.scheduler is not None else self.base.schedule_at(step)
-        groups = []
+    def _rates_at(self, step: int) -> dict[str, tuple[float, float]]:
+        r"""Per tensor: its group's rate :math:`\eta_g` at ``step`` and FLeRM's rate
+        :math:`\eta_W` (the group's for a tensor without a ratio yet, or in a group at rate 0,
+        which has no update to scale).
+
+        With the run's own scheduler, :math:`\eta_W = \eta_0 \, (\eta_g /
+        \eta_{g,\text{initial}}) \, r_W`: every scheduler (a plateau's cuts included) acts
+        on FLeRM's rates through the group; without one, :math:`\eta_W = \eta_0 \,
+        \mathrm{sched}^\text{base}(t) \, r_W`. The update is scaled by
+        :math:`\eta_W / \eta_g`.
+        """
+        base_ratio = None if self.scheduler is not None else self.base.schedule_at(step)
+        driven = set(self.names)
+        out: dict[str, tuple[float, float]] = {}
         for g in self.optimizer.param_groups:
-            lr = float(g["lr"])
-            # a group added after the scheduler has no initial_lr: the scheduler leaves it alone
-            initial = float(g.get("initial_lr", lr))
-            own = lr / initial if initial else 0.0
-            sched = own if self.scheduler is not None else base_ratio
-            # one tensor per group gains nothing from multi-tensor kernels: where the optimiser
-            # would pick them itself (foreach=None), skip that per-group check (~10 us each)
-            single = {"foreach": False} if "foreach" in g and g["foreach"] is None else {}
+            lr = group_lr(g)
+            if base_ratio is None:
+                initial = g["initial_lr"]
+                initial = float(initial.item() if isinstance(initial, Tensor) else initial)
+                sched = lr / initial if initial else 0.0
+            else:
+                sched = base_ratio
             for p in g["params"]:
-                ratio = self.ratios.get(self._name_of[id(p)])
-                rate = lr if ratio is None else self.lr0 * sched * ratio
-                groups.append({**g, **single, "params": [p], "lr": rate})
-        return groups
+                name = self._name_of[id(p)]
+                ratio = self.ratios.get(name)
+                if name in driven:
+                    out[name] = (lr, lr if ratio is None or not lr else self.lr0 * sched * ratio)
+        return out
 
     def lrs(self) -> dict[str, float]:
         """Learning rate of each tensor at the next step (``t``), FLeRM and schedule applied."""
-        return self._rates(self._split(self.t))
+        return self._rates(self._rates_at(self.t))
 
-    def _rates(self, groups: list[ParamGroup]) -> dict[str, float]:
-        rates = {self._name_of[id(g["params"][0])]: g["lr"] for g in groups}
-        return {n: rates[n] for n in self.names}
+    def _rates(self, rates: Mapping[str, tuple[float, float]]) -> dict[str, float]:
+        return {n: rates[n][1] for n in self.names if n in rates}
 
     # ------------------------------------------------------------------ the step
 
@@ -396,13 +421,17 @@ class FLeRM:
 
         Returns:
             The :class:`~fslr_func.step_hooks.StepHooks`; ``.detach()`` (or a ``with`` block
-            over it) removes them and puts your param groups back.
+            over it) removes them.
         """
         return StepHooks(self.step, [self.optimizer])
 
     @contextlib.contextmanager
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
         """Context manager around one ``optimizer.step()``: FLeRM rates, set points.
+
+        The optimiser steps once, at its own groups' rates; on exit each tensor's update is
+        scaled to FLeRM's rate (:mod:`fslr_func.update_scaling`), at a set point after the
+        step was measured and the new rates set.
 
         Args:
             optimizer: optional, as for :meth:`fslr_func.recorder.Recorder.step`: the
@@ -417,54 +446,44 @@ class FLeRM:
                 "with: FLeRM sets the rates of that one only"
             )
         self._adopt_groups()
-        opt = self.optimizer
-        own = opt.param_groups
         n = max(self.plan.probes_at(self.t), self._owed)
-        groups = self._split(self.t)
-        if n and not any(g["lr"] for g in groups if g["params"][0].requires_grad):
+        rates = self._rates_at(self.t)
+        if n and not any(lr for lr, _ in rates.values()):
             self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
             n = 0
         point = None
-        opt.param_groups = groups
-        try:
-            if n == 0:
+        if n == 0:
+            scaled = [k for k, (lr, rate) in rates.items() if rate != lr]
+            before = dict(zip(scaled, snapshot([self._params[k] for k in scaled]), strict=True))
+            yield
+        else:
+            with self.fm.measure(self.optimizer, self._feed.take(n), step=self.t) as m:
                 yield
+            reading = m.read()  # the set point's one synchronisation
+            if reading.moved:
+                # Tensors whose every probe was left out (not finite) are held.
+                measured = {**reading.values, **dict.fromkeys(reading.left_out, math.nan)}
+                point = self._set_point(self.t, measured)
+                rates = self._rates_at(self.t)
             else:
-                saved = _copy_state(opt)
-                with self.fm.measure(opt, self._feed.take(n), step=self.t) as m:
-                    yield
-                reading = m.read()  # the set point's one synchronisation
-                if reading.moved:
-                    opt.param_groups = own  # the set point reads the schedule from your groups
-                    # Tensors whose every probe was left out (not finite) are held.
-                    measured = {**reading.values, **dict.fromkeys(reading.left_out, math.nan)}
-                    point = self._set_point(self.t, measured)
-                    self._reapply(m.before, saved)
-                else:
-                    self._defer(n, "no parameter changed (a step skipped by a GradScaler?)")
-        finally:
-            opt.param_groups = own
+                self._defer(n, "no parameter changed (a step skipped by a GradScaler?)")
+            before = {
+                k: w for k, w in m.before.items() if k in rates and rates[k][1] != rates[k][0]
+            }
+        scale_updates(
+            [self._params[k] for k in before],
+            list(before.values()),
+            [rates[k][1] / rates[k][0] for k in before],
+        )
         if point is not None:
             self._owed = 0
             self.history.append(point)
         if self.log_fn is not None:
-            scalars = {f"flerm_lr/{k}": v for k, v in self._rates(groups).items()}
+            scalars = {f"flerm_lr/{k}": v for k, v in self._rates(rates).items()}
             if point is not None:
-                scalars.update({f"flerm_lr/{k}": v for k, v in point.lrs.items()})
                 scalars.update({f"fslr/{k}": v for k, v in point.fslr.items()})
             self.log_fn(self.t, scalars)
         self.t += 1
-
-    def _reapply(self, before: Mapping[str, Tensor], saved: dict[Any, dict[str, Any]]) -> None:
-        """Step ``t`` again from the weights and optimiser state before it, at the new rates."""
-        opt = self.optimizer
-        with torch.no_grad():
-            for name, w in before.items():
-                self._params[name].copy_(w)
-        opt.state.clear()
-        opt.state.update(saved)
-        opt.param_groups = self._split(self.t)
-        opt.step()
 
     def _defer(self, n: int, why: str) -> None:
         self._owed = n
@@ -481,7 +500,10 @@ class FLeRM:
         targets = self._targets(step)
         measured = {n: float(fslr[n]) if n in fslr else 0.0 for n in self.names}
         zero, nonfinite = [], []
+        unmatched = [n for n in self.names if n not in targets]
         for n in self.names:
+            if n in unmatched:
+                continue
             f, target = measured[n], targets[n]
             usable = math.isfinite(f) and f > self.min_fslr and target > self.min_fslr
             ratio = target / f if usable else 0.0
@@ -500,6 +522,12 @@ class FLeRM:
                 RuntimeWarning,
                 stacklevel=4,
             )
+        self._note(
+            unmatched,
+            f"FLeRM step {step}: {{}} have no base tensor to match (parameters added to the model "
+            "after FLeRM was built and absent from the base record); they keep their group's "
+            "learning rate (record a base run with them to match them)",
+        )
         if nonfinite:
             warnings.warn(
                 f"FLeRM step {step}: no finite FSLR estimate or rate, or a rate too large for "
@@ -509,23 +537,26 @@ class FLeRM:
                 RuntimeWarning,
                 stacklevel=4,
             )
-        new = [n for n in zero if n not in self._warned]
-        if new:
-            self._warned.update(new)
-            warnings.warn(
-                f"FLeRM step {step}: the FSLR or base target of {new[:10]} is zero or below "
-                f"min_fslr={self.min_fslr:g} (e.g. LoRA A while B is still zero); they keep "
-                "their current learning rate (start FLeRM later with start_step=...)",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+        self._note(
+            zero,
+            f"FLeRM step {step}: the FSLR or base target of {{}} is zero or below "
+            f"min_fslr={self.min_fslr:g} (e.g. LoRA A while B is still zero); they keep "
+            "their current learning rate (start FLeRM later with start_step=...)",
+        )
         return SetPoint(
             step=step,
-            lrs=self._rates(self._split(step)),
+            lrs=self._rates(self._rates_at(step)),
             fslr=measured,
             targets=targets,
-            held=tuple(zero + nonfinite),
+            held=tuple(zero + nonfinite + unmatched),
         )
+
+    def _note(self, names: list[str], message: str) -> None:
+        """Warn once per tensor: ``message`` with ``{}`` standing for the newly named ones."""
+        new = [n for n in names if n not in self._warned]
+        if new:
+            self._warned.update(new)
+            warnings.warn(message.format(new[:10]), RuntimeWarning, stacklevel=5)
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -568,11 +599,3 @@ class FLeRM:
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
         self._warned = set(state["warned"])
         self._feed.skip(int(state["probes_used"]))
-
-
-def _copy_state(optimizer: torch.optim.Optimizer) -> dict[Any, dict[str, Any]]:
-    """A copy of the per-parameter optimiser state (tensors cloned)."""
-    return {
-        p: {k: v.clone() if isinstance(v, Tensor) else copy.deepcopy(v) for k, v in s.items()}
-        for p, s in optimizer.state.items()
-    }

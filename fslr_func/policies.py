@@ -141,6 +141,9 @@ def identity(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, f
     return {n: float(base[n]) for n in scaled}
 
 
+identity.one_to_one = True  # type: ignore[attr-defined]
+
+
 # ---------------------------------------------------------------------------------- share_blocks
 
 
@@ -355,6 +358,19 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 """Policy names accepted by :func:`resolve`, with the factory building each (defaults)."""
 
 _FACTORIES = (share_blocks, equal, equal_all)
+
+def is_one_to_one(policy: Policy) -> bool:
+    """Whether ``policy`` maps each scaled tensor to the base tensor of the same name.
+
+    A policy declares it with an attribute ``one_to_one = True`` (:func:`identity` does); FLeRM
+    then matches a base record of a subset of the model on that subset, and checks tensor ranks.
+
+    Example:
+        >>> is_one_to_one(identity), is_one_to_one(equal())
+        (True, False)
+    """
+    return getattr(policy, "one_to_one", False) is True
+
 
 PolicySpec: TypeAlias = str | Policy | Callable[[], Policy] | None
 """What :func:`resolve` and :func:`apply` accept: a name, a policy, a factory, or ``None``."""

@@ -91,7 +91,7 @@ class Boom(torch.optim.SGD):
         raise RuntimeError("boom")
 
 
-def test_exception_in_step_puts_groups_back_and_records_nothing() -> None:
+def test_exception_in_step_leaves_groups_alone_and_records_nothing() -> None:
     base = base_record()
     fm = model(width=20)
     opt = Boom(fm.parameters(), lr=1e-2)
@@ -101,7 +101,7 @@ def test_exception_in_step_puts_groups_back_and_records_nothing() -> None:
     backward(fm, 0)
     with pytest.raises(RuntimeError, match="boom"):
         opt.step()
-    assert opt.param_groups is not groups  # swapped while the step is open
+    assert opt.param_groups is groups  # FLeRM never swaps the groups, even while a step is open
     handle.detach()
     assert opt.param_groups is groups and flerm.t == 0 and not flerm.history
     assert not opt._optimizer_step_pre_hooks and not opt._optimizer_step_post_hooks

@@ -231,7 +231,7 @@ def test_matching_4x_wider_moves_function_as_base() -> None:
     assert min(flerm.lrs().values()) < 0.5 * LR0
 
 
-def test_reapplied_step_is_one_step_at_the_new_rates() -> None:
+def test_set_point_step_is_one_step_at_the_new_rates() -> None:
     rec = record()
     fm = build(32, dtype=torch.float64)
     opt = torch.optim.Adam(fm.parameters(), lr=LR0)
@@ -244,7 +244,7 @@ def test_reapplied_step_is_one_step_at_the_new_rates() -> None:
         opt.step()
     lrs = flerm.lrs()
     for n, p in fm.module.named_parameters():
-        assert int(opt.state[p]["step"]) == 1  # the state was restored before re-stepping
+        assert int(opt.state[p]["step"]) == 1  # one optimiser step, its update scaled
         adam_first_step = grads[n] / (grads[n].abs() + 1e-8)
         torch.testing.assert_close(p.detach(), before[n] - lrs[n] * adam_first_step)
 
