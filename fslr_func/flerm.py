@@ -33,9 +33,9 @@ each tensor its own base rate times the FSLR ratio,
 :math:`\eta_W = \mathrm{sched}(t) \, \eta_{0,W} \, \mathrm{FSLR}^\text{base}_W / \mathrm{FSLR}_W`,
 and under a depth policy the scaled tensors answering to ``b`` move the function by
 :math:`\sum_W \eta_W \mathrm{FSLR}_W = m_b` in all (with the base schedule). The step ``t`` is
-then taken at the new rates, as in the paper (its update scaled, below). The ratio :math:`r_W = T_W / \mathrm{FSLR}_W` is kept until the
-next set point, so :math:`\eta_W(t') = \eta_0 \, \mathrm{sched}(t') \, r_W` follows the
-schedule in between.
+then taken at the new rates, as in the paper (its update scaled, below). The ratio
+:math:`r_W = T_W / \mathrm{FSLR}_W` is kept until the next set point, so
+:math:`\eta_W(t') = \eta_0 \, \mathrm{sched}(t') \, r_W` follows the schedule in between.
 
 Set points: ``mode="static"`` (the paper's main results): once, at ``start_step``, after the
 EMA warm-up (``ceil(warmup_samples / fm.samples)`` probes of that step's update on fresh probe
@@ -237,6 +237,8 @@ class FLeRM:
         self._feed = ProbeFeed(probe_batches)
         self._policy = policies.resolve(policy)
         self.names: list[str] = []
+        self._params: dict[str, Tensor] = {}
+        self._late: set[str] = set()
         self._index_params()
         self._adopt_groups()
         self._check_base()
@@ -281,9 +283,10 @@ class FLeRM:
 
     def _index_params(self) -> None:
         """Read the model's parameters and their names (bare, and as the base record has them)."""
-        known = getattr(self, "_params", None)
+        known = self._params
         self._params = dict(self.fm.module.named_parameters())
-        self._late = set() if known is None else self._late | (self._params.keys() - known.keys())
+        if known:  # parameters added to the model after FLeRM was built
+            self._late |= self._params.keys() - known.keys()
         self._name_of = {id(p): n for n, p in self._params.items()}
         # policies see bare names on both sides (fslr_func.names): the scaled model's without
         # its wrappers' prefixes, the record's read by recorded_names

@@ -359,6 +359,7 @@ POLICIES: dict[str, Callable[[], Policy]] = {
 
 _FACTORIES = (share_blocks, equal, equal_all)
 
+
 def is_one_to_one(policy: Policy) -> bool:
     """Whether ``policy`` maps each scaled tensor to the base tensor of the same name.
 

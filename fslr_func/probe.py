@@ -43,9 +43,10 @@ from .estimator import (
     log_statistics,
     mean_log_stats,
 )
+from .fallback import first_line, warn_once
 from .functional import Inputs
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
-from .vjp import prepare_vjp
+from .vjp import VjpSetup, prepare_vjp
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -263,6 +264,36 @@ def run_probe(
         if reduction is not None:
             reduction.abort(delta, options.samples)
         raise
+    try:
+        return _sample(setup, delta, options, generator, reduction)
+    except RuntimeError as err:
+        # torch.func traced the forward but its backward fails: a forward that enters
+        # autocast itself (accelerate's, Trainer(bf16=True)) casts inside the transform,
+        # where the casts are not differentiated. Plain autograd works for any forward.
+        if options.strategy not in ("auto", "timed") or setup.strategy == "autograd":
+            raise
+        warn_once(
+            model,
+            "autograd-backward",
+            f"the torch.func backward of the FSLR probe failed for {type(model).__name__} "
+            f"({first_line(err)}; e.g. a forward wrapped in autocast, as accelerate and "
+            "Trainer(bf16=True) do); the probe falls back to plain autograd, one backward per "
+            "sample (same result, slower)",
+        )
+        setup = prepare_vjp(
+            model, inputs, delta, options.replace(strategy="autograd"), params=params, strict=strict
+        )
+        return _sample(setup, delta, options, generator, reduction)
+
+
+def _sample(
+    setup: VjpSetup,
+    delta: Mapping[str, Tensor],
+    options: ProbeOptions,
+    generator: torch.Generator | None,
+    reduction: GradientReduction | None,
+) -> ProbeResult:
+    """The omega samples of one probe, reduced to their log statistics (:func:`run_probe`)."""
     local = setup.num_outputs
     where = (
         OmegaSlice(generator, local, 0, local)

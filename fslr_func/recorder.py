@@ -52,6 +52,7 @@ from .record import FSLRRecord, grouping_meta, optimizer_meta
 from .record_meta import is_learning_rate
 from .step_hooks import StepHooks
 from .transform import FSLRModule, Measurement, param_lrs
+from .update_scaling import group_lr
 
 __all__ = ["LogFn", "Recorder", "schedule_ratio"]
 
@@ -66,16 +67,21 @@ def schedule_ratio(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     base_lr: float,
 ) -> float:
-    """``lr(t) / lr(0)`` of the first param group: the scheduler's, else relative to ``base_lr``.
+    """``lr(t) / lr(0)`` of the first param group: relative to its ``initial_lr`` with a
+    scheduler (set to its first rate if the scheduler sets none), else to ``base_lr``.
 
     Example:
         >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
         >>> schedule_ratio(opt, None, 1.0)
         0.5
     """
+    group = optimizer.param_groups[0]
     if scheduler is not None:
-        return float(scheduler.get_last_lr()[0]) / float(scheduler.base_lrs[0])
-    return float(optimizer.param_groups[0]["lr"]) / base_lr
+        # every scheduler acts on the group's rate; ReduceLROnPlateau, SequentialLR and
+        # ChainedScheduler have no base_lrs of their own, and a plateau sets no initial_lr
+        initial = group.setdefault("initial_lr", group["lr"])
+        return group_lr(group) / group_lr({"lr": initial})
+    return group_lr(group) / base_lr
 
 
 class Recorder:

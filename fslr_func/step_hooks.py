@@ -11,8 +11,9 @@ a ``GradScaler``, whose skipped steps call no hook) is covered without editing t
 A step of several optimisers (Muon on the matrices, AdamW on the rest) is one *round*: the
 context manager is entered at the first optimiser's pre-hook and exited once every optimiser
 has stepped. If an ``optimizer.step()`` raises, its post-hook never runs; the open round is
-then abandoned (exited with :class:`StepAborted`: nothing is recorded or scaled) at the next pre-hook of that optimiser or at :meth:`StepHooks.detach`,
-whichever comes first. Steps a controller takes itself inside a round do not start a round.
+then abandoned (exited with :class:`StepAborted`: nothing is recorded or scaled) at the next
+pre-hook of that optimiser or at :meth:`StepHooks.detach`, whichever comes first. Steps a
+controller takes itself inside a round do not start a round.
 
 Example:
     >>> import torch
