@@ -99,7 +99,8 @@ SCHEDULERS: dict[str, Callable[[torch.optim.Optimizer], Any] | None] = {
         ]
     ),
 }
-PRECISIONS = ("fp32", "bf16", "fp16", "bf16-wrapped")  # wrapped: forward inside autocast
+#: wrapped: the forward inside autocast (accelerate); params: bfloat16 parameters and inputs
+PRECISIONS = ("fp32", "bf16", "fp16", "bf16-wrapped", "bf16-params")
 SCALERS = ("none", "gradscaler")
 CLIPS = ("none", "clip")  # clip: unscale_ and clip before the step; none: the step unscales
 FORMS = ("with", "hooks")
@@ -161,10 +162,10 @@ def batches(seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         yield torch.randn(16, D_IN, generator=g), torch.randint(0, CLASSES, (16,), generator=g)
 
 
-def probes() -> Iterator[torch.Tensor]:
+def probes(dtype: torch.dtype = torch.float32) -> Iterator[torch.Tensor]:
     g = torch.Generator().manual_seed(99)
     while True:
-        yield torch.randn(16, D_IN, generator=g)
+        yield torch.randn(16, D_IN, generator=g).to(dtype)
 
 
 @pytest.fixture(scope="module")
@@ -216,6 +217,7 @@ def train(
     data = batches(2)
     for t in range(STEPS):
         x, y = next(data)
+        x = x.to(next(model.parameters()).dtype)
         opt.zero_grad()
         with autocast(precision):
             loss = nn.functional.cross_entropy(model(x).float(), y)
@@ -299,7 +301,7 @@ class Reference:
 def run_cell(base: FSLRRecord, cell: tuple[str, ...]) -> None:
     optimiser, scheduler, precision, scaling, clip, form = cell
     build, *reference_build = OPTIMISERS[optimiser]
-    model = net(16)
+    model = net(16).to(torch.bfloat16 if precision == "bf16-params" else torch.float32)
     if precision == "bf16-wrapped":  # as accelerate and Trainer(bf16=True) do
         model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)  # type: ignore[method-assign]
     fm = ff.with_fslr(model, samples=4, seed=0)
@@ -308,7 +310,8 @@ def run_cell(base: FSLRRecord, cell: tuple[str, ...]) -> None:
     logged: dict[int, dict[str, float]] = {}
     group_lrs: dict[int, float] = {}
     flerm = ff.FLeRM(
-        fm, opt, base, probe_batches=probes(), warmup_samples=8, mode="periodic", every=EVERY,
+        fm, opt, base, probe_batches=probes(next(model.parameters()).dtype), warmup_samples=8,
+        mode="periodic", every=EVERY,
         scheduler=sched, log_fn=lambda t, s: logged.__setitem__(t, s),
     )  # fmt: skip
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8) if scaling == "gradscaler" else None
