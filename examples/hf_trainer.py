@@ -1,7 +1,8 @@
 """FLeRM in a Hugging Face ``Trainer`` script: one callback each, nothing else changed.
 
-A small GPT-2 (built from a config, no download) is trained on byte-level text from Python's own
-documentation with a linear warm-up from 0 and gradient accumulation; ``FSLRCallback`` records its
+A small GPT-2 (built from a config, no download) is trained in bf16 mixed precision
+(``Trainer(bf16=True)``, the usual way) on byte-level text from Python's own documentation with
+a linear warm-up from 0 and gradient accumulation; ``FSLRCallback`` records its
 FSLRs into ``<out>/base/fslr_record.json``. A 4x wider GPT-2 is then trained by the same script
 with ``FLeRMCallback`` pointing at that record, checkpointing half way; a second Trainer resumes
 from that checkpoint and ends with the same weights as the uninterrupted run. The FSLRs and FLeRM's
@@ -84,21 +85,26 @@ def train(
 
 
 def main(
-    out: str, steps: int = 6, arch: str = "gpt2"
+    out: str, steps: int = 6, arch: str = "gpt2", precision: str = "bf16"
 ) -> tuple[transformers.Trainer, transformers.Trainer]:
     """Record the base run, train the wide model with FLeRM, and resume it half way.
+
+    ``precision``: ``"bf16"`` (``Trainer(bf16=True)``: autocast, the usual way to fine-tune),
+    ``"fp16"`` (``Trainer(fp16=True)``: needs a GPU) or ``"fp32"``.
 
     Returns:
         The uninterrupted wide run's Trainer and the resumed one's.
     """
     probes = dataset(16, offset=10_000)
+    mixed = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[precision]
     base_dir = os.path.join(out, "base")
-    train(build(arch, 16), base_dir, FSLRCallback(probes, every=2, warmup_samples=8), steps)
+    callback = FSLRCallback(probes, every=2, warmup_samples=8)
+    train(build(arch, 16), base_dir, callback, steps, **mixed)
     record = os.path.join(base_dir, "fslr_record.json")
 
     def wide(resume: str | None = None) -> transformers.Trainer:
         callback = FLeRMCallback(record, probes, warmup_samples=8, mode="periodic", every=2)
-        return train(build(arch, 64), os.path.join(out, "wide"), callback, steps, resume)
+        return train(build(arch, 64), os.path.join(out, "wide"), callback, steps, resume, **mixed)
 
     full = wide()
     return full, wide(resume=os.path.join(out, "wide", f"checkpoint-{steps // 2}"))
@@ -109,8 +115,9 @@ if __name__ == "__main__":
     parser.add_argument("--out", default="hf_flerm")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
+    parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     cli = parser.parse_args()
-    full, resumed = main(cli.out, cli.steps, cli.arch)
+    full, resumed = main(cli.out, cli.steps, cli.arch, cli.precision)
     same = all(
         torch.equal(a, b)
         for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True)

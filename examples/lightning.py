@@ -1,7 +1,7 @@
 """FLeRM in a PyTorch Lightning script: one callback each, nothing else changed.
 
-A small MLP ``LightningModule`` with a linear warm-up from 0 is trained on scikit-learn's
-digits with ``FSLRCallback`` (the base record lands in ``<out>/base/fslr_record.json``); a 4x
+A small MLP ``LightningModule`` with a linear warm-up from 0 is trained in bf16 mixed
+precision (``precision="bf16-mixed"``) on scikit-learn's digits with ``FSLRCallback`` (the base record lands in ``<out>/base/fslr_record.json``); a 4x
 wider one is then trained with ``FLeRMCallback`` (checkpointed every 2 steps) and resumed from
 its half-way checkpoint by a second ``Trainer`` with ``ckpt_path=``, which continues FLeRM's
 step count, rates and probe batches: its weights equal the uninterrupted run's.
@@ -62,7 +62,12 @@ def loader() -> DataLoader[Any]:
 
 
 def fit(
-    width: int, out: str, callback: pl.Callback, steps: int, ckpt: str | None = None
+    width: int,
+    out: str,
+    callback: pl.Callback,
+    steps: int,
+    ckpt: str | None = None,
+    precision: str = "bf16-mixed",
 ) -> Classifier:
     """Train for ``steps`` optimiser steps; without ``ckpt``, checkpoint every 2 steps
     (``<out>/step-<step>.ckpt``, here the end of an epoch), else resume from ``ckpt``."""
@@ -79,26 +84,28 @@ def fit(
     trainer = pl.Trainer(
         default_root_dir=out, max_steps=steps, accelerator="cpu", logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=ckpt is None,
-        accumulate_grad_batches=2, gradient_clip_val=1.0,
+        accumulate_grad_batches=2, gradient_clip_val=1.0, precision=precision,
         callbacks=[callback] if ckpt else [callback, saving],
     )  # fmt: skip
     trainer.fit(module, loader(), ckpt_path=ckpt)
     return module
 
 
-def main(out: str, steps: int = 4) -> tuple[Classifier, Classifier]:
-    """Record the base run, train the wide one with FLeRM, and resume it half way."""
+def main(out: str, steps: int = 4, precision: str = "bf16-mixed") -> tuple[Classifier, Classifier]:
+    """Record the base run, train the wide one with FLeRM, and resume it half way, in
+    Lightning's ``precision`` (``"bf16-mixed"``: autocast, the usual way; ``"32-true"``)."""
     probes = torch.as_tensor(DATA.x_train[256:320], dtype=torch.float32)
     base_dir = os.path.join(out, "base")
-    fit(16, base_dir, FSLRCallback(probes, every=2, warmup_samples=8), steps)
+    fit(16, base_dir, FSLRCallback(probes, every=2, warmup_samples=8), steps, None, precision)
     record = os.path.join(base_dir, "fslr_record.json")
 
     def callback() -> FLeRMCallback:
         return FLeRMCallback(record, probes, warmup_samples=8, mode="periodic", every=1)
 
     wide = os.path.join(out, "wide")
-    full = fit(64, wide, callback(), steps)
-    resumed = fit(64, wide, callback(), steps, ckpt=os.path.join(wide, f"step-{steps // 2}.ckpt"))
+    full = fit(64, wide, callback(), steps, None, precision)
+    half = os.path.join(wide, f"step-{steps // 2}.ckpt")
+    resumed = fit(64, wide, callback(), steps, half, precision)
     return full, resumed
 
 
@@ -106,7 +113,8 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="pl_flerm")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--precision", default="bf16-mixed", help="Lightning's precision")
     cli = parser.parse_args()
-    full, resumed = main(cli.out, cli.steps)
+    full, resumed = main(cli.out, cli.steps, cli.precision)
     rates = {k: f"{float(v):.2e}" for k, v in full.trainer.callback_metrics.items()}
     print(rates)

@@ -364,6 +364,14 @@ class FLeRM:
         # the identity policy a base record of a subset is matched on that subset
         bare = self._bare
         if policies.is_one_to_one(self._policy):
+            present = set(bare.values())
+            self._note(
+                [b for b in moved if b not in present],
+                "FLeRM: the base record has tensors {} that the scaled model does not have "
+                "(yet): they are matched once added to the model (adapters added later); "
+                "otherwise check that the record is from this architecture",
+            )
+            moved = {b: f for b, f in moved.items() if b in present}
             # every tensor of the scaled model the record has, frozen ones included (freezing
             # a tensor does not change the architecture); a record of a subset (Muon + AdamW)
             # is matched on that subset

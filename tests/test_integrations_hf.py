@@ -1,6 +1,7 @@
-"""The Hugging Face Trainer callbacks with the real ``transformers.Trainer``: record, FLeRM with
-a warm-up from 0 and gradient accumulation, checkpoint and exact resume, logs; and logging to
-TensorBoard event files through ``log_fn``, read back."""
+"""The Hugging Face Trainer callbacks with the real ``transformers.Trainer`` in bf16 mixed
+precision and in fp32: record, FLeRM with a warm-up from 0 and gradient accumulation,
+checkpoint and exact resume, logs; and logging to TensorBoard event files through ``log_fn``,
+read back."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ def example() -> Any:
     return load_script("examples/hf_trainer.py")
 
 
-def check(tmp_path: Path, arch: str) -> None:
-    full, resumed = example().main(str(tmp_path), steps=2, arch=arch)
+def check(tmp_path: Path, arch: str, precision: str = "bf16") -> None:
+    full, resumed = example().main(str(tmp_path), steps=2, arch=arch, precision=precision)
     record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
     assert record.steps == [1]  # the warm-up from 0 makes step 0 unmeasurable
     assert record.meta["sched_per_step"][0] == 0.0 and record.meta["sched_per_step"][1] > 0
@@ -37,8 +38,9 @@ def check(tmp_path: Path, arch: str) -> None:
     assert state["global_step"] == 2
 
 
-def test_trainer_gpt2_record_flerm_checkpoint_resume(tmp_path: Path) -> None:
-    check(tmp_path, "gpt2")
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_trainer_gpt2_record_flerm_checkpoint_resume(tmp_path: Path, precision: str) -> None:
+    check(tmp_path, "gpt2", precision)
 
 
 @pytest.mark.slow

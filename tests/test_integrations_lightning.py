@@ -1,4 +1,5 @@
-"""The Lightning callbacks with the real ``lightning.Trainer`` (CPU, a few steps): a base
+"""The Lightning callbacks with the real ``lightning.Trainer`` (CPU, a few steps, bf16 mixed
+precision and fp32): a base
 record, FLeRM with a warm-up from 0, accumulation and clipping, logging, checkpoint, and a resume
 whose weights equal the uninterrupted run's."""
 
@@ -15,9 +16,10 @@ from fslr_func.record import FSLRRecord
 pytest.importorskip("lightning")
 
 
-def test_lightning_record_flerm_checkpoint_resume(tmp_path: Path) -> None:
+@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+def test_lightning_record_flerm_checkpoint_resume(tmp_path: Path, precision: str) -> None:
     module = load_script("examples/lightning.py")
-    full, resumed = module.main(str(tmp_path), steps=4)
+    full, resumed = module.main(str(tmp_path), steps=4, precision=precision)
     record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
     assert record.steps == [1, 2]  # step 0 has rate 0 (warm-up from 0): its probes at step 1
     logged = full.trainer.callback_metrics

@@ -1,0 +1,109 @@
+"""Parameters that join or leave a FLeRM run: adapters added after FLeRM was built (matched at
+the next set point, or held at their group's rate with a note when the base record lacks
+them), and tensors frozen in the scaled run (not "another architecture")."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import fslr_func as ff
+from fslr_func.record import FSLRRecord
+
+LR = 1e-2
+
+
+class Net(nn.Module):
+    def __init__(self, width: int, adapter: bool) -> None:
+        super().__init__()
+        torch.manual_seed(width)
+        self.body = nn.Linear(6, width)
+        self.head = nn.Linear(width, 3)
+        self.adapter = nn.Linear(width, width) if adapter else None
+
+    def add_adapter(self) -> nn.Linear:
+        torch.manual_seed(1)
+        self.adapter = nn.Linear(self.body.out_features, self.body.out_features)
+        return self.adapter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.body(x))
+        if self.adapter is not None:
+            h = h + self.adapter(h)
+        return self.head(h)
+
+
+def probes() -> Iterator[torch.Tensor]:
+    g = torch.Generator().manual_seed(5)
+    while True:
+        yield torch.randn(16, 6, generator=g)
+
+
+def step(fm: nn.Module, opt: torch.optim.Optimizer, ctl: ff.FLeRM | ff.Recorder, t: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    x, y = torch.randn(16, 6, generator=g), torch.randint(0, 3, (16,), generator=g)
+    opt.zero_grad()
+    nn.functional.cross_entropy(fm(x), y).backward()
+    with ctl.step(opt) if isinstance(ctl, ff.Recorder) else ctl.step():
+        opt.step()
+
+
+def base(adapter: bool) -> FSLRRecord:
+    fm = ff.with_fslr(Net(8, adapter), samples=4, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=LR)
+    rec = ff.Recorder(fm, probes(), optimizer=opt, warmup_samples=8, every=1)
+    for t in range(6):
+        step(fm, opt, rec, t)
+    return rec.record
+
+
+def test_an_adapter_added_after_flerm_was_built_joins_at_the_next_set_point() -> None:
+    net = Net(32, adapter=False)
+    fm = ff.with_fslr(net, samples=4, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=LR)
+    flerm = ff.FLeRM(
+        fm, opt, base(adapter=True), probe_batches=probes(), warmup_samples=8,
+        mode="periodic", every=2,
+    )  # fmt: skip
+    step(fm, opt, flerm, 0)
+    assert "adapter.weight" not in flerm.names
+    opt.add_param_group({"params": list(net.add_adapter().parameters())})
+    for t in range(1, 3):
+        step(fm, opt, flerm, t)
+    assert [p.step for p in flerm.history] == [0, 2]
+    assert {"adapter.weight", "adapter.bias"} <= set(flerm.ratios)
+    assert flerm.history[-1].held == ()
+
+
+def test_an_added_tensor_the_base_lacks_keeps_its_group_rate_with_a_note() -> None:
+    net = Net(32, adapter=False)
+    fm = ff.with_fslr(net, samples=4, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=LR)
+    flerm = ff.FLeRM(
+        fm, opt, base(adapter=False), probe_batches=probes(), warmup_samples=8,
+        mode="periodic", every=2,
+    )  # fmt: skip
+    step(fm, opt, flerm, 0)
+    opt.add_param_group({"params": list(net.add_adapter().parameters())})
+    step(fm, opt, flerm, 1)
+    with pytest.warns(RuntimeWarning, match=r"\['adapter.weight', 'adapter.bias'\] have no base"):
+        step(fm, opt, flerm, 2)
+    assert set(flerm.history[-1].held) == {"adapter.weight", "adapter.bias"}
+    assert flerm.lrs()["adapter.weight"] == LR  # its group's rate
+    assert "body.weight" in flerm.ratios  # the others are matched
+
+
+def test_a_tensor_frozen_in_the_scaled_run_is_not_another_architecture() -> None:
+    net = Net(32, adapter=False)
+    net.body.bias.requires_grad_(False)
+    fm = ff.with_fslr(net, samples=4, seed=0)
+    opt = torch.optim.Adam([p for p in fm.parameters() if p.requires_grad], lr=LR)
+    flerm = ff.FLeRM(fm, opt, base(adapter=False), probe_batches=probes(), warmup_samples=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        step(fm, opt, flerm, 0)
+    assert set(flerm.ratios) == {"body.weight", "head.weight", "head.bias"}
