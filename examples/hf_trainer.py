@@ -90,7 +90,7 @@ def main(
     """Record the base run, train the wide model with FLeRM, and resume it half way.
 
     ``precision``: ``"bf16"`` (``Trainer(bf16=True)``: autocast, the usual way to fine-tune),
-    ``"fp16"`` (``Trainer(fp16=True)``: needs a GPU) or ``"fp32"``.
+    ``"fp16"`` (``Trainer(fp16=True)``, with accelerate's ``GradScaler``) or ``"fp32"``.
 
     Returns:
         The uninterrupted wide run's Trainer and the resumed one's.

@@ -1,10 +1,11 @@
 """FLeRM in a PyTorch Lightning script: one callback each, nothing else changed.
 
-A small MLP ``LightningModule`` with a linear warm-up from 0 is trained in bf16 mixed
-precision (``precision="bf16-mixed"``) on scikit-learn's digits with ``FSLRCallback`` (the base record lands in ``<out>/base/fslr_record.json``); a 4x
-wider one is then trained with ``FLeRMCallback`` (checkpointed every 2 steps) and resumed from
-its half-way checkpoint by a second ``Trainer`` with ``ckpt_path=``, which continues FLeRM's
-step count, rates and probe batches: its weights equal the uninterrupted run's.
+A small MLP ``LightningModule`` with a linear warm-up from 0 is trained in bf16 mixed precision
+(``precision="bf16-mixed"``) on scikit-learn's digits with ``FSLRCallback`` (the base record
+lands in ``<out>/base/fslr_record.json``); a 4x wider one is then trained with
+``FLeRMCallback`` (checkpointed every 2 steps) and resumed from its half-way checkpoint by a
+second ``Trainer`` with ``ckpt_path=``, which continues FLeRM's step count, rates and probe
+batches: its weights equal the uninterrupted run's.
 
 Run: ``python examples/lightning.py --out /tmp/pl_flerm`` (a few seconds on one CPU core).
 """

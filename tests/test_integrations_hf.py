@@ -1,7 +1,7 @@
-"""The Hugging Face Trainer callbacks with the real ``transformers.Trainer`` in bf16 mixed
-precision and in fp32: record, FLeRM with a warm-up from 0 and gradient accumulation,
-checkpoint and exact resume, logs; and logging to TensorBoard event files through ``log_fn``,
-read back."""
+"""The Hugging Face Trainer callbacks with the real ``transformers.Trainer`` in mixed precision
+(bf16; fp16 with its GradScaler) and in fp32: record, FLeRM with a warm-up from 0 and gradient
+accumulation, checkpoint and exact resume, logs; and logging to TensorBoard event files through
+``log_fn``, read back."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def check(tmp_path: Path, arch: str, precision: str = "bf16") -> None:
     assert state["global_step"] == 2
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_trainer_gpt2_record_flerm_checkpoint_resume(tmp_path: Path, precision: str) -> None:
     check(tmp_path, "gpt2", precision)
 
