@@ -48,6 +48,21 @@ def build(arch: str, width: int) -> transformers.PreTrainedModel:
     ))  # fmt: skip
 
 
+def with_lora(model: transformers.PreTrainedModel, rank: int) -> Any:
+    """PEFT LoRA of rank ``rank`` on the attention projections (``A`` Gaussian, ``B = 0``);
+    only the adapters train."""
+    import peft
+
+    targets = (
+        ["c_attn"] if isinstance(model, transformers.GPT2LMHeadModel) else ["q_proj", "v_proj"]
+    )
+    config = peft.LoraConfig(
+        r=rank, lora_alpha=8, target_modules=targets, init_lora_weights="gaussian",
+        fan_in_fan_out=isinstance(model, transformers.GPT2LMHeadModel),  # GPT-2's Conv1D
+    )  # fmt: skip
+    return peft.get_peft_model(model, config)
+
+
 def train(
     model: transformers.PreTrainedModel,
     out: str,
@@ -85,9 +100,13 @@ def train(
 
 
 def main(
-    out: str, steps: int = 6, arch: str = "gpt2", precision: str = "bf16"
+    out: str, steps: int = 6, arch: str = "gpt2", precision: str = "bf16", lora: bool = False
 ) -> tuple[transformers.Trainer, transformers.Trainer]:
     """Record the base run, train the wide model with FLeRM, and resume it half way.
+
+    With ``lora``, the model is the 64-wide one fine-tuned through PEFT LoRA adapters, the
+    base run at rank 2 and the FLeRM run at rank 8 (the paper's LoRA-rank transfer), FLeRM's
+    set points starting once ``B`` has moved.
 
     ``precision``: ``"bf16"`` (``Trainer(bf16=True)``: autocast, the usual way to fine-tune),
     ``"fp16"`` (``Trainer(fp16=True)``, with accelerate's ``GradScaler``) or ``"fp32"``.
@@ -99,12 +118,14 @@ def main(
     mixed = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[precision]
     base_dir = os.path.join(out, "base")
     callback = FSLRCallback(probes, every=2, warmup_samples=8)
-    train(build(arch, 16), base_dir, callback, steps, **mixed)
+    small = with_lora(build(arch, 64), 2) if lora else build(arch, 16)
+    train(small, base_dir, callback, steps, **mixed)
     record = os.path.join(base_dir, "fslr_record.json")
 
     def wide(resume: str | None = None) -> transformers.Trainer:
         callback = FLeRMCallback(record, probes, warmup_samples=8, mode="periodic", every=2)
-        return train(build(arch, 64), os.path.join(out, "wide"), callback, steps, resume, **mixed)
+        large = with_lora(build(arch, 64), 8) if lora else build(arch, 64)
+        return train(large, os.path.join(out, "wide"), callback, steps, resume, **mixed)
 
     full = wide()
     return full, wide(resume=os.path.join(out, "wide", f"checkpoint-{steps // 2}"))
@@ -116,8 +137,9 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    parser.add_argument("--lora", action="store_true", help="LoRA rank 2 -> 8 instead of width")
     cli = parser.parse_args()
-    full, resumed = main(cli.out, cli.steps, cli.arch, cli.precision)
+    full, resumed = main(cli.out, cli.steps, cli.arch, cli.precision, cli.lora)
     same = all(
         torch.equal(a, b)
         for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True)

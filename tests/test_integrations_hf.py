@@ -23,8 +23,10 @@ def example() -> Any:
     return load_script("examples/hf_trainer.py")
 
 
-def check(tmp_path: Path, arch: str, precision: str = "bf16") -> None:
-    full, resumed = example().main(str(tmp_path), steps=2, arch=arch, precision=precision)
+def check(tmp_path: Path, arch: str, precision: str = "bf16", lora: bool = False) -> None:
+    full, resumed = example().main(
+        str(tmp_path), steps=2, arch=arch, precision=precision, lora=lora
+    )
     record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
     assert record.steps == [1]  # the warm-up from 0 makes step 0 unmeasurable
     assert record.meta["sched_per_step"][0] == 0.0 and record.meta["sched_per_step"][1] > 0
@@ -41,6 +43,10 @@ def check(tmp_path: Path, arch: str, precision: str = "bf16") -> None:
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "fp32"])
 def test_trainer_gpt2_record_flerm_checkpoint_resume(tmp_path: Path, precision: str) -> None:
     check(tmp_path, "gpt2", precision)
+
+
+def test_trainer_gpt2_peft_lora_rank_bf16_record_flerm_checkpoint_resume(tmp_path: Path) -> None:
+    check(tmp_path, "gpt2", "bf16", lora=True)
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ whose weights equal the uninterrupted run's."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -37,3 +38,48 @@ def test_lightning_record_flerm_checkpoint_resume(tmp_path: Path, precision: str
     ]
     for (name, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters(), strict=True):
         assert torch.equal(a, b), name  # the resume continues exactly
+
+
+def test_lightning_plateau_scheduler_records_and_drives_flerm(tmp_path: Path) -> None:
+    # configure_optimizers returns ReduceLROnPlateau (stepped by Lightning on a logged metric):
+    # the Recorder reads its schedule from the group, FLeRM's rates follow the plateau's cuts
+    import lightning.pytorch as pl
+
+    from fslr_func.integrations.lightning import FLeRMCallback, FSLRCallback
+
+    example = load_script("examples/lightning.py")
+
+    class Plateau(example.Classifier):  # type: ignore[misc, name-defined]
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            self.log("rising", float(self.global_step))  # never improves: cut every step
+            return loss  # type: ignore[no-any-return]
+
+        def configure_optimizers(self) -> Any:
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+            schedule = {"scheduler": plateau, "interval": "step", "monitor": "rising"}
+            return {"optimizer": opt, "lr_scheduler": schedule}
+
+    def fit(width: int, callback: pl.Callback, out: Path) -> Any:
+        module = Plateau(width)
+        trainer = pl.Trainer(
+            default_root_dir=str(out), max_steps=4, callbacks=[callback], accelerator="cpu",
+            logger=False, enable_progress_bar=False, enable_model_summary=False,
+            enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(module, example.loader())
+        return module
+
+    probes = torch.as_tensor(example.DATA.x_train[256:320], dtype=torch.float32)
+    recording = FSLRCallback(probes, every=1, warmup_samples=8)
+    fit(16, recording, tmp_path / "base")
+    record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
+    assert record.meta["sched_per_step"] == pytest.approx([1.0, 1.0, 0.5, 0.25])
+    driving = FLeRMCallback(str(tmp_path / "base" / "fslr_record.json"), probes, warmup_samples=8)
+    fit(64, driving, tmp_path / "wide")
+    flerm = driving.session.controller
+    assert [p.step for p in flerm.history] == [0]
+    rates, at_set_point = flerm.lrs(), flerm.history[0].lrs
+    for name, rate in rates.items():  # the plateau cut the rate after steps 1, 2 and 3
+        assert rate == pytest.approx(at_set_point[name] / 8, rel=1e-9), name

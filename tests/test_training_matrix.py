@@ -424,3 +424,18 @@ def test_unsupported_optimisers_are_refused_at_construction(base: FSLRRecord, na
     fm = ff.with_fslr(net(16), samples=4)
     with pytest.raises(ValueError, match=why):
         ff.FLeRM(fm, build(fm.parameters()), base, probe_batches=probes())
+
+
+def test_state_dict_taken_in_a_step_post_hook_is_the_users_and_loads(base: FSLRRecord) -> None:
+    fm = ff.with_fslr(net(16), samples=4, seed=0)
+    opt = torch.optim.AdamW(fm.parameters(), lr=LR)
+    flerm = ff.FLeRM(fm, opt, base, probe_batches=probes(), warmup_samples=8)
+    saved: list[dict[str, Any]] = []
+    with flerm.attach():
+        opt.register_step_post_hook(lambda o, a, k: saved.append(copy.deepcopy(o.state_dict())))
+        with warnings_ignored():
+            train(fm, opt, "fp32", None, "none", None, nothing, lambda t: None, lambda t: None)
+    assert len(saved) == STEPS and flerm.history
+    for state in saved:
+        assert len(state["param_groups"]) == 1 and state["param_groups"][0]["lr"] == LR
+        torch.optim.AdamW(net(16).parameters(), lr=LR).load_state_dict(state)
