@@ -86,7 +86,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -95,6 +95,7 @@ from torch import Tensor
 
 from . import policies
 from .control_options import check_log_fn, check_scheduler, check_state, optimizers_of
+from .flerm_rule import match, rate
 from .functional import Inputs
 from .names import recorded_names
 from .probe_schedule import ProbeFeed, ProbePlan
@@ -415,7 +416,10 @@ class FLeRM:
                 name = self._name_of[id(p)]
                 ratio = self.ratios.get(name)
                 if name in driven:
-                    out[name] = (lr, lr if ratio is None or not lr else self.lr0 * sched * ratio)
+                    out[name] = (
+                        lr,
+                        lr if ratio is None or not lr else rate(self.lr0, sched, ratio),
+                    )
         return out
 
     def lrs(self) -> dict[str, float]:
@@ -510,22 +514,11 @@ class FLeRM:
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         targets = self._targets(step)
         measured = {n: float(fslr[n]) if n in fslr else 0.0 for n in self.names}
-        zero, nonfinite = [], []
-        unmatched = [n for n in self.names if n not in targets]
-        for n in self.names:
-            if n in unmatched:
-                continue
-            f, target = measured[n], targets[n]
-            usable = math.isfinite(f) and f > self.min_fslr and target > self.min_fslr
-            ratio = target / f if usable else 0.0
-            # a rate past sqrt(dtype max) overflows inside the optimiser (a 1e300 base FSLR)
-            safe = self.lr0 * ratio <= torch.finfo(self._params[n].dtype).max ** 0.5
-            if not (math.isfinite(f) and math.isfinite(ratio) and safe):
-                nonfinite.append(n)
-            elif ratio == 0.0:
-                zero.append(n)
-            else:
-                self.ratios[n] = ratio
+        # a rate past sqrt(dtype max) overflows inside the optimiser (a 1e300 base FSLR)
+        limits = {n: torch.finfo(self._params[n].dtype).max ** 0.5 for n in self.names}
+        matched = match(targets, measured, lr0=self.lr0, min_fslr=self.min_fslr, max_rate=limits)
+        self.ratios.update(matched.ratios)
+        zero, nonfinite, unmatched = matched.zero, matched.nonfinite, matched.unmatched
         if self.scheduler is None and "initial_lr" in self.optimizer.param_groups[0]:
             warnings.warn(
                 "FLeRM: a scheduler is attached to the optimizer but was not passed as "
@@ -542,7 +535,7 @@ class FLeRM:
         if nonfinite:
             warnings.warn(
                 f"FLeRM step {step}: no finite FSLR estimate or rate, or a rate too large for "
-                f"the parameter's dtype, for {nonfinite[:10]} (every probe of this set point "
+                f"the parameter's dtype, for {list(nonfinite[:10])} (every probe of this set point "
                 "was left out as not finite, the estimate overflowed, or the base record's "
                 "FSLR is absurd); they keep their previous learning rate",
                 RuntimeWarning,
@@ -559,10 +552,10 @@ class FLeRM:
             lrs=self._rates(self._rates_at(step)),
             fslr=measured,
             targets=targets,
-            held=tuple(zero + nonfinite + unmatched),
+            held=zero + nonfinite + unmatched,
         )
 
-    def _note(self, names: list[str], message: str) -> None:
+    def _note(self, names: Sequence[str], message: str) -> None:
         """Warn once per tensor: ``message`` with ``{}`` standing for the newly named ones."""
         new = [n for n in names if n not in self._warned]
         if new:
