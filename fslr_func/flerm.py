@@ -240,6 +240,7 @@ class FLeRM:
         self.names: list[str] = []
         self._params: dict[str, Tensor] = {}
         self._late: set[str] = set()
+        self._before: dict[str, Tensor] = {}  # the driven tensors before a step (reused)
         self._index_params()
         self._adopt_groups()
         self._check_base()
@@ -469,7 +470,7 @@ class FLeRM:
         point = None
         if n == 0:
             scaled = [k for k, (lr, rate) in rates.items() if rate != lr]
-            before = dict(zip(scaled, snapshot([self._params[k] for k in scaled]), strict=True))
+            before = dict(zip(scaled, self._snapshot(scaled), strict=True))
             yield
         else:
             with self.fm.measure(self.optimizer, self._feed.take(n), step=self.t) as m:
@@ -499,6 +500,19 @@ class FLeRM:
                 scalars.update({f"fslr/{k}": v for k, v in point.fslr.items()})
             self.log_fn(self.t, scalars)
         self.t += 1
+
+    def _snapshot(self, names: list[str]) -> list[Tensor]:
+        """The tensors ``names`` before the step, copied into buffers kept from step to step."""
+        params = [self._params[n].detach() for n in names]
+        for n, p in zip(names, params, strict=True):
+            kept = self._before.get(n)
+            if kept is None or (kept.shape, kept.dtype, kept.device) != (
+                p.shape,
+                p.dtype,
+                p.device,
+            ):
+                self._before[n] = torch.empty_like(p)
+        return snapshot(params, into=[self._before[n] for n in names])
 
     def _defer(self, n: int, why: str) -> None:
         self._owed = n

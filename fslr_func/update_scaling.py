@@ -45,6 +45,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from .functional import is_dtensor
+
 __all__ = ["check_scalable", "group_lr", "scale_updates", "snapshot"]
 
 # Optimisers whose step is not proportional to their learning rate, by (module prefix, class).
@@ -124,16 +126,29 @@ def group_lr(group: dict[str, Any]) -> float:
     return float(lr.item() if isinstance(lr, Tensor) else lr)
 
 
-def snapshot(params: Sequence[Tensor]) -> list[Tensor]:
-    """Copies of ``params`` before a step (what :func:`scale_updates` scales from)."""
-    return [p.detach().clone() for p in params]
+def snapshot(params: Sequence[Tensor], into: Sequence[Tensor] | None = None) -> list[Tensor]:
+    """Copies of ``params`` before a step (what :func:`scale_updates` scales from).
+
+    Args:
+        params: the tensors about to be stepped.
+        into: buffers of the same shapes, dtypes and devices to copy into, in one
+            multi-tensor pass, without allocating (reused step after step); default: clones.
+    """
+    if into is None:
+        return [p.detach().clone() for p in params]
+    buffers = list(into)
+    if buffers:
+        with torch.no_grad():
+            torch._foreach_copy_(_local(buffers), _local(params))
+    return buffers
 
 
 def scale_updates(
     params: Sequence[Tensor], before: Sequence[Tensor], factors: Sequence[float]
 ) -> None:
-    r"""Scale each tensor's displacement since ``before`` in place: :math:`W \leftarrow
-    W_\text{before} + c\,(W - W_\text{before})`, in one multi-tensor pass per dtype and device.
+    r"""Scale each tensor's displacement since ``before`` in place, :math:`W \leftarrow
+    W_\text{before} + c\,(W - W_\text{before})`, as one multi-tensor ``lerp`` (one read of
+    each tensor and its copy, one write).
 
     Args:
         params: the tensors the optimiser just stepped.
@@ -143,7 +158,11 @@ def scale_updates(
     if not params:
         return
     with torch.no_grad():
-        moved = [p.detach() for p in params]
-        torch._foreach_sub_(moved, list(before))
-        torch._foreach_mul_(moved, list(factors))
-        torch._foreach_add_(moved, list(before))
+        # lerp(W, W_before, 1 - c) = W_before + c (W - W_before)
+        torch._foreach_lerp_(_local(params), _local(before), [1.0 - c for c in factors])
+
+
+def _local(tensors: Sequence[Tensor]) -> list[Tensor]:
+    """The tensors' data, an FSDP2 shard's local tensor for a DTensor (every operation here is
+    elementwise, so each rank scales its own shard)."""
+    return [t.detach().to_local() if is_dtensor(t) else t.detach() for t in tensors]  # type: ignore[attr-defined]
