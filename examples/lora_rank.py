@@ -24,7 +24,8 @@ tensor gets ``lr_base(W) * FSLR_base(W) / FSLR(W)``.
 
 It prints the sweep's table (best rate per rank, ``!`` on the grid's edge, the shift in
 octaves) and the largest rank's loss at the base rank's best rate, and writes the figure
-(``docs/img/lora_rank_B.png`` or ``_A.png``; the numbers beside it as ``.json``): training loss
+(``--out``, default ``lora_rank_runs/lora_rank_B.png`` or ``_A.png``; the numbers beside it
+as ``.json``; the figures in docs/ come from ``--out docs/img/lora_rank_B.png``): training loss
 (mean of the last 20 steps, over the seeds) against the swept rate, one line per rank; a line
 that stops marks a diverged run.
 
@@ -229,7 +230,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--pretrain-steps", type=int, default=300)
     parser.add_argument("--start-step", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None, help="figure (default docs/img/...)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="figure (default lora_rank_runs/lora_rank_<B|A>.png)"
+    )
     parser.add_argument(
         "--quick",
         action="store_true",
@@ -242,7 +245,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     fixed = args.fixed if args.fixed is not None else (1e-3 if args.sweep == "B" else 2.0**-8)
     ranks, lrs, seeds = sorted(set(args.ranks)), sorted(set(args.lrs)), range(args.seeds)
     base_rank = ranks[0]
-    out = args.out or Path(__file__).parents[1] / "docs" / "img" / f"lora_rank_{args.sweep}.png"
+    out = args.out or Path("lora_rank_runs") / f"lora_rank_{args.sweep}.png"
     torch.set_num_threads(1)
     start = time.time()
     pretrained = pretrain(args.pretrain_steps)
@@ -294,6 +297,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(format_table(summary))
     print(f"\nrank {ranks[-1]} at the rank-{base_rank} optimum:")
     print(_transferred(config, summary, runs))
+    out.parent.mkdir(parents=True, exist_ok=True)
     plot_transfer(summary, out, xlabel=f"learning rate of {args.sweep}")
     write_json(out.with_suffix(".json"), {"summary": summary, "runs": runs})
     print(f"wrote {out} and its .json ({time.time() - start:.0f} s in all)")
