@@ -3,8 +3,8 @@
 The paper's tensor-normal estimator gives each dim of a weight its own Kronecker factor. For a
 conv weight ``(out, in, kh, kw)`` that assumes the covariance of ``Z = dW * g`` factorises over
 input channels and the two kernel offsets separately, which input patches do not satisfy. This
-script measures candidate groupings (:func:`fslr_func.estimator.grouped_shape`) against the
-linearised ground truth :func:`fslr_func.exact`:
+script measures candidate groupings (:func:`fslr_func.stats.estimator.grouped_shape`) against the
+linearised ground truth :func:`fslr_func.probe.exact`:
 
 * ``dims``: ``(out, in, kh, kw)`` (rank-3 for Conv1d: ``(out, in, k)``), the paper's;
 * ``matrix``: ``(out, in * kh * kw)``, output channels by input patches (as in KFC);
@@ -34,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.estimator import fslr_from_log, log_sq_norm, mean_log_stats
-from fslr_func.probe import probe
+from fslr_func.probe.sampling import probe
+from fslr_func.stats.estimator import fslr_from_log, log_sq_norm, mean_log_stats
 
 
 def grouping_candidates() -> dict[str, Callable[[str, tuple[int, ...]], tuple[int, ...]] | str]:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 import fslr_func as ff
 from fslr_func.experiments import ResMLP, Transformer, batches, lm_batches, mnist1d, pydoc_text
-from fslr_func.probe import probe
+from fslr_func.probe.sampling import probe
 
 
 def kind_of(name: str) -> str:

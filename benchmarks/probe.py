@@ -34,8 +34,8 @@ from _memory import status_mib  # benchmarks/ is on sys.path when run as a scrip
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.estimator import log_statistics
 from fslr_func.experiments import ResMLP, Transformer
+from fslr_func.stats.estimator import log_statistics
 
 
 def build(kind: str) -> tuple[nn.Module, Tensor, Callable[[Tensor], Tensor]]:

@@ -1,46 +1,65 @@
 """fslr_func: function-space learning rates and FLeRM for any PyTorch model, via torch.func.
 
-The public surface (see ``docs/api.md``):
+The public surface (see ``docs/api.md``), grouped by layer:
 
-* :func:`estimate`: one-probe FSLR estimates of an update, per parameter tensor;
-* :func:`exact`: the linearised ground truth ``||J dW||_RMS`` by forward-mode AD;
-* :func:`with_fslr`: wrap a module so its optimiser steps report FSLRs (EMA across probes);
-* :class:`FSLRRecord`: the FSLR time series of a run, saved atomically as versioned JSON;
-* :mod:`policies`: depth-mapping policies deciding which base tensor a scaled tensor matches;
-* :class:`Recorder`: records a base run's FSLRs from any training loop into an ``FSLRRecord``;
-* :class:`FLeRM`: sets per-tensor learning rates of a scaled model to match a base record;
-* :mod:`distributed`: data-parallel probes whose estimates equal the single-process ones.
+* the probe: :func:`estimate` (one-probe FSLR estimates of an update, per parameter tensor),
+  :func:`exact` (the linearised ground truth ``||J dW||_RMS`` by forward-mode AD),
+  :class:`ProbeOptions`, :data:`ESTIMATORS`, :data:`OMEGAS`;
+* training control: :func:`with_fslr` (wrap a module so its optimiser steps report FSLRs),
+  :class:`FSLRModule`, :class:`Measurement`, :class:`Recorder` (a base run's FSLRs into a
+  record), :class:`FLeRM` and :class:`SetPoint` (per-tensor learning rates matching a base
+  record), :mod:`policies` (depth mapping);
+* records: :class:`FSLRRecord` (an FSLR time series, saved atomically as versioned JSON);
+* distributed: :mod:`distributed`, :class:`DistributedFSLRModule`.
+
+The layers, bottom to top: ``stats`` (pure statistics and estimators), ``probe``, ``parallel``
+and ``io``, ``training``, ``integrations``, ``experiments``; each imports only from those below
+it (``tests/test_structure.py`` and import-linter check it).
 """
 
-from . import distributed, policies
-from .distributed import DistributedFSLRModule
-from .estimator import ESTIMATORS
-from .exact import exact
-from .flerm import FLeRM, SetPoint
-from .options import OMEGAS, ProbeOptions
-from .probe import estimate
-from .record import FSLRRecord
-from .recorder import Recorder
-from .transform import FSLRModule, Measurement
-from .wrap import with_fslr
+from types import ModuleType
 
-__version__ = "0.1.0"
+from . import _moved, distributed
+from .io.record import FSLRRecord
+from .probe.exact import exact
+from .probe.options import OMEGAS, ProbeOptions
+from .probe.sampling import estimate
+from .stats.estimator import ESTIMATORS
+from .training import policies
+from .training.distributed import DistributedFSLRModule
+from .training.flerm import FLeRM, SetPoint
+from .training.recorder import Recorder
+from .training.wrap import with_fslr
+from .training.wrapper import FSLRModule, Measurement
 
-__all__ = [
+_moved.install()
+
+__version__ = "0.3.0"
+
+__all__ = [  # noqa: RUF022 (grouped by layer, sorted within a group)
+    # the probe
     "ESTIMATORS",
     "OMEGAS",
-    "DistributedFSLRModule",
-    "FLeRM",
-    "FSLRModule",
-    "FSLRRecord",
-    "Measurement",
     "ProbeOptions",
-    "Recorder",
-    "SetPoint",
-    "__version__",
-    "distributed",
     "estimate",
     "exact",
+    # training control
+    "FLeRM",
+    "FSLRModule",
+    "Measurement",
+    "Recorder",
+    "SetPoint",
     "policies",
     "with_fslr",
+    # records
+    "FSLRRecord",
+    # distributed
+    "DistributedFSLRModule",
+    "distributed",
+    "__version__",
 ]
+
+
+def __getattr__(name: str) -> ModuleType:
+    """Old module paths read as attributes (``ff.recorder``), with their deprecation warning."""
+    return _moved.moved_attribute(name)

@@ -19,9 +19,9 @@ import torch
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.flerm import FLeRM
-from fslr_func.record import FSLRRecord
-from fslr_func.recorder import Recorder
+from fslr_func.io.record import FSLRRecord
+from fslr_func.training.flerm import FLeRM
+from fslr_func.training.recorder import Recorder
 
 STEPS = 200
 EVERY = 10  # probe / set-point period

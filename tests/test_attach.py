@@ -11,9 +11,9 @@ import torch
 from _tiny import backward, model, stream
 
 import fslr_func as ff
-from fslr_func.record import FSLRRecord
-from fslr_func.recorder import Recorder
-from fslr_func.step_hooks import StepHooks
+from fslr_func.io.record import FSLRRecord
+from fslr_func.training.recorder import Recorder
+from fslr_func.training.step_hooks import StepHooks
 
 
 def train(

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.probe import probe
+from fslr_func.probe.sampling import probe
 
 
 class Net(nn.Module):
@@ -371,7 +371,7 @@ def test_complex_parameters_are_refused_not_silently_cast() -> None:
 def test_options_are_checked_when_the_wrapper_and_recorder_are_built() -> None:
     """Bad options fail at construction, before optimizer.step() has run, not at the first
     probe after it."""
-    from fslr_func.recorder import Recorder
+    from fslr_func.training.recorder import Recorder
 
     model = nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2))
     with pytest.raises(ValueError, match="chunk_size"):

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from fslr_func.cli import main
 from fslr_func.experiments.check import coord_check, format_check
+from fslr_func.experiments.cli import main
 from tests.test_sweep import tiny_task
 
 

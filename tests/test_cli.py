@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fslr_func.cli import main, parse_lrs
 from fslr_func.experiments import sweep
+from fslr_func.experiments.cli import main, parse_lrs
 
 PNGS = ("transfer.png", "fslr_time.png", "flerm_lrs.png")
 # a tiny configuration of the demo: digits (instant to load), widths 8 and 16, 2 lrs, 8 steps
@@ -76,7 +76,7 @@ def test_sweep_depth_and_plot_commands(tmp_path: Path, capsys: pytest.CaptureFix
 def test_width_depth_sweep_with_an_ablation_policy_gets_its_own_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from fslr_func.plot import _scale_label
+    from fslr_func.experiments.plot import _scale_label
 
     monkeypatch.chdir(tmp_path)
     assert main(["sweep", *TINY, "--axis", "width_depth", "--policy", "equal", "--no-plots"]) == 0
@@ -238,7 +238,7 @@ def test_kill_9_of_a_parallel_sweep_leaves_no_process_behind(tmp_path: Path) -> 
     out = tmp_path / "killed"
     args = [*TINY, "--lrs", "2^-9..2^-2", "--steps", "30", "--jobs", "2", "--no-plots"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fslr_func.cli", "sweep", *args, "--out", str(out)],
+        [sys.executable, "-m", "fslr_func.experiments.cli", "sweep", *args, "--out", str(out)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -266,7 +266,7 @@ def test_help_everywhere(command: list[str], capsys: pytest.CaptureFixture[str])
 
 def test_console_script_reports_bad_argument() -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "fslr_func.cli", "sweep", "--scales", "one"],
+        [sys.executable, "-m", "fslr_func.experiments.cli", "sweep", "--scales", "one"],
         capture_output=True,
         text=True,
         timeout=120,

@@ -21,9 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fslr_func as ff
 from fslr_func import distributed as fd
-from fslr_func._sharded import shard_log_statistics
-from fslr_func.estimator import log_statistics
-from fslr_func.transform import FSLRModule
+from fslr_func.training.wrapper import FSLRModule
 
 WORLD = 2
 SHARDS = (6, 4)  # rows of the probe batch held by rank 0 and rank 1
@@ -186,8 +184,8 @@ def _probe_stream(rows: int, seed: int) -> Iterator[Tensor]:
 def _check_flerm(rank: int) -> None:
     """FLeRM on a wider DDP model, each rank probing its own data: identical rates."""
     try:
-        from fslr_func.flerm import FLeRM
-        from fslr_func.recorder import Recorder
+        from fslr_func.training.flerm import FLeRM
+        from fslr_func.training.recorder import Recorder
     except ImportError:  # pragma: no cover - FLeRM not in this tree: fm.fslr() is checked
         return
     _, x_train, y_train = _batches()
@@ -221,28 +219,11 @@ def _check_flerm(rank: int) -> None:
     _assert_same_on_all_ranks({n: p.detach().sum() for n, p in wide.named_parameters()})
 
 
-def _check_sharded_statistics(rank: int) -> None:
-    g = torch.Generator().manual_seed(5)
-    for shape, dim, split in [
-        ((5, 4, 3), 0, [3]),
-        ((5, 4, 3), 1, [1]),
-        ((5, 4, 3), -1, [2]),
-        ((6,), 0, [4]),
-        ((4, 3), 0, [4]),  # rank 1's shard is empty
-    ]:
-        z = torch.randn(shape, generator=g, dtype=torch.float64)
-        got = shard_log_statistics(z.tensor_split(split, dim=dim)[rank], dim)
-        torch.testing.assert_close(got, log_statistics(z), rtol=1e-12, atol=1e-12)
-    zero = torch.zeros(3, 2, dtype=torch.float64)
-    assert bool(torch.isneginf(shard_log_statistics(zero.tensor_split([1])[rank], 0)).all())
-
-
 def _checks(rank: int) -> None:
     _check_estimates(rank)
     _check_sparse_embedding(rank)
     _check_ddp_with_fslr(rank)
     _check_flerm(rank)
-    _check_sharded_statistics(rank)
 
 
 @pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")

@@ -23,8 +23,8 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 
 import fslr_func as ff
-import fslr_func.fallback as probe_module
-from fslr_func.probe import probe
+import fslr_func.probe.fallback as probe_module
+from fslr_func.probe.sampling import probe
 
 
 @pytest.fixture(autouse=True)

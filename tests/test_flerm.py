@@ -17,9 +17,9 @@ from torch import Tensor, nn
 
 import fslr_func as ff
 from fslr_func.experiments import ResMLP, train
-from fslr_func.flerm import FLeRM
-from fslr_func.record import FSLRRecord
-from fslr_func.recorder import Recorder, grouping_meta
+from fslr_func.io.record import FSLRRecord
+from fslr_func.training.flerm import FLeRM
+from fslr_func.training.recorder import Recorder, grouping_meta
 
 D_IN, CLASSES, BATCH = 16, 4, 32
 LR0 = 1e-2

@@ -1,4 +1,5 @@
-"""FLeRM's pure rule (fslr_func.flerm_rule), property-tested: matched tensors move the function
+"""FLeRM's pure rule (fslr_func.training.flerm_rule), property-tested: matched tensors move the
+function
 as their targets say, the rule is scale-covariant, every tensor lands in exactly one outcome."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fslr_func.flerm_rule import match, rate
+from fslr_func.training.flerm_rule import match, rate
 
 positive = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False)
 anything = st.one_of(

@@ -18,9 +18,9 @@ from torch import Tensor, nn
 
 import fslr_func as ff
 from fslr_func import distributed as fd
-from fslr_func.flerm import FLeRM
-from fslr_func.functional import is_dtensor
-from fslr_func.recorder import Recorder
+from fslr_func.probe.functional import is_dtensor
+from fslr_func.training.flerm import FLeRM
+from fslr_func.training.recorder import Recorder
 
 WORLD = 2
 SHARDS = (6, 4)  # rows of each probe batch held by rank 0 and rank 1

@@ -1,8 +1,8 @@
 """Grouping a tensor's dims into Kronecker factors (``grouping=``), for conv weights.
 
 ``kron`` assumes one covariance factor per dim of the view of ``Z`` that ``grouping`` picks
-(:func:`fslr_func.estimator.grouped_shape`). The default, ``"auto"``, views a weight of rank 3 or
-more as ``out x rest``; ``"dims"`` is the paper's one factor per dim. The measurements behind
+(:func:`fslr_func.stats.estimator.grouped_shape`). The default, ``"auto"``, views a weight of rank
+3 or more as ``out x rest``; ``"dims"`` is the paper's one factor per dim. The measurements behind
 the default are in ``docs/grouping.md`` (``benchmarks/conv_grouping.py``).
 """
 
@@ -18,8 +18,8 @@ from torch import Tensor, nn
 from torch.func import functional_call
 
 import fslr_func as ff
-from fslr_func.estimator import GROUPINGS, grouped_shape, log_statistics
-from fslr_func.probe import draw_omega, probe
+from fslr_func.probe.sampling import draw_omega, probe
+from fslr_func.stats.estimator import GROUPINGS, grouped_shape, log_statistics
 
 
 class ConvNet(nn.Module):

@@ -28,7 +28,7 @@ from torch.func import functional_call, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fslr_func as ff
-from fslr_func.probe import draw_omega, probe
+from fslr_func.probe.sampling import draw_omega, probe
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -283,8 +283,8 @@ def test_with_fslr_training_loop_float32() -> None:
 
 
 def test_flerm_transfers_from_a_narrow_gpt2_to_a_wide_one() -> None:
-    from fslr_func.flerm import FLeRM
-    from fslr_func.recorder import Recorder
+    from fslr_func.training.flerm import FLeRM
+    from fslr_func.training.recorder import Recorder
 
     def probes(seed: int) -> Iterator[dict[str, Any]]:
         return (batch(seed + i, batch=2, length=8) for i in range(10_000))
@@ -409,8 +409,8 @@ def test_dropout_in_gpt2_and_lora_shares_a_seed_between_probe_and_exact(strategy
 
 
 def test_flerm_on_lora_starts_a_few_steps_in_without_dividing_by_zero() -> None:
-    from fslr_func.flerm import FLeRM
-    from fslr_func.recorder import Recorder
+    from fslr_func.training.flerm import FLeRM
+    from fslr_func.training.recorder import Recorder
 
     def probes(seed: int) -> Iterator[dict[str, Any]]:
         return (batch(seed + i) for i in range(10_000))

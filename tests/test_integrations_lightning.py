@@ -12,7 +12,7 @@ import pytest
 import torch
 from _scripts import load_script
 
-from fslr_func.record import FSLRRecord
+from fslr_func.io.record import FSLRRecord
 
 pytest.importorskip("lightning")
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import fslr_func as ff
-from fslr_func.record import FSLRRecord
+from fslr_func.io.record import FSLRRecord
 
 LR = 1e-2
 

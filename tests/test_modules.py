@@ -26,7 +26,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.utils import parametrizations, parametrize
 
 import fslr_func as ff
-from fslr_func.probe import draw_omega, probe
+from fslr_func.probe.sampling import draw_omega, probe
 
 # ---------------------------------------------------------------------------------------------
 # Models
@@ -655,7 +655,7 @@ def test_inductor_compiled_model() -> None:
 def test_fallbacks_are_needed_exactly_where_docs_modules_md_says(
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import fslr_func.fallback as probe_module
+    import fslr_func.probe.fallback as probe_module
 
     monkeypatch.setattr(probe_module, "_warned", set())
     case = CASES[name]

@@ -14,7 +14,7 @@ from fslr_func.experiments.configs import SweepConfig
 from fslr_func.experiments.models import ResMLP, Transformer
 from fslr_func.experiments.mup import apply_mup, mup_groups, readouts, width_mults
 from fslr_func.experiments.summary import format_table
-from fslr_func.record import FSLRRecord
+from fslr_func.io.record import FSLRRecord
 
 
 def _resmlp(width: int, seed: int = 0) -> nn.Module:

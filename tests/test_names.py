@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 import fslr_func as ff
 from fslr_func.experiments import ResMLP
-from fslr_func.names import recorded_names, unwrapped
+from fslr_func.probe.names import recorded_names, unwrapped
 
 D_IN, CLASSES, LR0 = 8, 3, 1e-2
 

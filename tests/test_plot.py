@@ -9,10 +9,10 @@ from typing import Any
 import pytest
 from test_sweep import tiny_config, tiny_task
 
-from fslr_func import plot
+from fslr_func.experiments import plot
 from fslr_func.experiments.configs import SweepConfig
 from fslr_func.experiments.sweep import run_sweep
-from fslr_func.record import FSLRRecord
+from fslr_func.io.record import FSLRRecord
 
 pytest.importorskip("matplotlib")
 

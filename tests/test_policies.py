@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fslr_func import policies
-from fslr_func.policies import (
+from fslr_func.training.policies import (
     DEFAULT_PATTERN,
     POLICIES,
     Policy,

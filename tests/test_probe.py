@@ -13,7 +13,7 @@ from torch import nn
 from torch.func import functional_call, jvp
 
 import fslr_func as ff
-from fslr_func.probe import draw_omega, probe
+from fslr_func.probe.sampling import draw_omega, probe
 
 CASES = {
     "mlp": (lambda: MLP(), lambda g: torch.randn(6, 5, generator=g)),

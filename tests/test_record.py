@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fslr_func.atomic import write_json
-from fslr_func.record import FORMAT, META_KEYS, VERSION, FSLRRecord, optimizer_meta
+from fslr_func.io.atomic import write_json
+from fslr_func.io.record import FORMAT, META_KEYS, VERSION, FSLRRecord, optimizer_meta
 
 SETTINGS = settings(max_examples=50, deadline=None)
 

@@ -12,9 +12,9 @@ import torch
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.record import FSLRRecord
-from fslr_func.recorder import ProbeFeed, ProbePlan, Recorder, grouping_meta
-from fslr_func.transform import Measurement
+from fslr_func.io.record import FSLRRecord
+from fslr_func.training.recorder import ProbeFeed, ProbePlan, Recorder, grouping_meta
+from fslr_func.training.wrapper import Measurement
 
 
 def model(seed: int = 0) -> ff.FSLRModule:

@@ -15,8 +15,8 @@ from torch.utils.checkpoint import checkpoint
 
 import fslr_func as ff
 from fslr_func.experiments.models import ResMLP
-from fslr_func.flerm import FLeRM
-from fslr_func.recorder import Recorder
+from fslr_func.training.flerm import FLeRM
+from fslr_func.training.recorder import Recorder
 
 
 class Checkpointed(nn.Module):

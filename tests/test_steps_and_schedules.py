@@ -11,8 +11,8 @@ from _tiny import backward, model, stream
 from torch import nn
 
 import fslr_func as ff
-from fslr_func.record import FSLRRecord
-from fslr_func.recorder import Recorder
+from fslr_func.io.record import FSLRRecord
+from fslr_func.training.recorder import Recorder
 
 
 def record(steps: int = 4, **kw: object) -> FSLRRecord:

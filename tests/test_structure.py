@@ -1,4 +1,5 @@
-"""The package's structure: no module imports another that imports it back.
+"""The package's structure: layers import only downwards, and no module imports another that
+imports it back.
 
 Read with :mod:`ast` (nothing is imported), counting every import of a package module: at the
 top, inside functions (lazy imports) and under ``TYPE_CHECKING``.
@@ -75,10 +76,63 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+#: The layers, bottom to top; a module may import from its own subpackage and from lower layers.
+#: ``parallel`` and ``io`` share a level and may not import each other.
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("stats",),
+    ("probe",),
+    ("parallel", "io"),
+    ("training",),
+    ("integrations",),
+    ("experiments",),
+)
+_LEVEL = {name: level for level, names in enumerate(LAYERS) for name in names}
+
+
+def _layer(module: str) -> str | None:
+    """The layer subpackage of a module; ``None`` for the top-level facade modules."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and parts[1] in _LEVEL else None
+
+
+def _upward_imports(graph: dict[str, set[str]]) -> list[str]:
+    """Every import that breaks the layer order, as ``importer -> imported``."""
+    bad = []
+    for importer, imported in sorted(graph.items()):
+        own = _layer(importer)
+        if own is None:  # the facade (fslr_func, fslr_func.distributed) may import any layer
+            continue
+        for target in sorted(imported):
+            layer = _layer(target)
+            if layer == own:
+                continue
+            if layer is None or _LEVEL[layer] >= _LEVEL[own]:
+                bad.append(f"{importer} -> {target}")
+    return bad
+
+
 def test_the_graph_is_read() -> None:
     graph = _graph()
-    assert "fslr_func.probe" in graph["fslr_func.distributed"]
-    assert "fslr_func.transform" in graph["fslr_func.wrap"]
+    assert "fslr_func.parallel.data_parallel" in graph["fslr_func.distributed"]
+    assert "fslr_func.training.wrapper" in graph["fslr_func.training.wrap"]
+    assert set(_LEVEL) == {p.name for p in ROOT.iterdir() if (p / "__init__.py").exists()}
+
+
+def test_layers_import_only_downwards() -> None:
+    assert _upward_imports(_graph()) == []
+
+
+def test_the_layer_check_finds_an_upward_import() -> None:
+    graph = {
+        "fslr_func.stats.estimator": {"fslr_func.training.flerm"},
+        "fslr_func.io.record": {"fslr_func.parallel.fsdp", "fslr_func.probe.names"},
+        "fslr_func.training.flerm": {"fslr_func"},
+    }
+    assert _upward_imports(graph) == [
+        "fslr_func.io.record -> fslr_func.parallel.fsdp",
+        "fslr_func.stats.estimator -> fslr_func.training.flerm",
+        "fslr_func.training.flerm -> fslr_func",
+    ]
 
 
 def test_no_import_cycles() -> None:

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from fslr_func.experiments.configs import DEMO, ConfigError, SweepConfig, octaves
+from fslr_func.experiments.plot import _scale_label
 from fslr_func.experiments.summary import format_table
 from fslr_func.experiments.sweep import (
     RunSpec,
@@ -26,8 +27,7 @@ from fslr_func.experiments.sweep import (
     run_sweep,
     summarise,
 )
-from fslr_func.plot import _scale_label
-from fslr_func.record import FSLRRecord
+from fslr_func.io.record import FSLRRecord
 
 # ---------------------------------------------------------------------------------- tiny task
 

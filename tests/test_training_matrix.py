@@ -26,7 +26,7 @@ from _gloo import free_port
 from torch import nn
 
 import fslr_func as ff
-from fslr_func.record import FSLRRecord
+from fslr_func.io.record import FSLRRecord
 
 LR = 1e-2
 STEPS = 5

@@ -1,7 +1,7 @@
 r"""A sweep's cache: one small JSON file per run and per base record, valid for one fingerprint.
 
 Every run is a pure function of its config and ``(mode, scale, lr, seed)``, so its result is
-cached as one file, written atomically (:func:`fslr_func.atomic.write_json`)::
+cached as one file, written atomically (:func:`fslr_func.io.atomic.write_json`)::
 
     <out>/sweep.json                      the config, task name and fingerprint
     <out>/runs/<mode>_scale=<s>_lr=<lr>_seed=<k>.json
@@ -42,8 +42,8 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_json
-from ..record import FSLRRecord
+from ..io.atomic import write_json
+from ..io.record import FSLRRecord
 from .configs import SweepConfig, lr_key
 from .run import RUN_FORMAT, RUN_VERSION, RunSpec, grid
 

@@ -49,10 +49,10 @@ from typing import Any
 
 import torch
 
-from ..flerm import FLeRM
-from ..record import FSLRRecord
-from ..recorder import Recorder
-from ..wrap import with_fslr
+from ..io.record import FSLRRecord
+from ..training.flerm import FLeRM
+from ..training.recorder import Recorder
+from ..training.wrap import with_fslr
 from .configs import scale_key
 from .mup import apply_mup, base_shapes
 from .task import Task

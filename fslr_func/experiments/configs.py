@@ -35,9 +35,9 @@ from typing import Any
 
 from fslr_func.experiments.models import NormType
 from fslr_func.experiments.train import OPTIMIZERS, SCHEDULES
-from fslr_func.flerm import Mode
-from fslr_func.options import STRATEGIES, Strategy
-from fslr_func.policies import POLICIES
+from fslr_func.probe.options import STRATEGIES, Strategy
+from fslr_func.training.flerm import Mode
+from fslr_func.training.policies import POLICIES
 
 __all__ = [
     "AXES",
@@ -163,8 +163,8 @@ class SweepConfig:
         warmup_samples: omega samples of the EMA warm-up (paper: 40).
         every: the base runs record an FSLR probe every ``every`` steps (the FSLR-vs-time
             plot); periodic FLeRM resets the rates every ``every`` steps.
-        flerm_policy: FLeRM's policy by name (:data:`fslr_func.policies.POLICIES`), e.g. the
-            paper's ablations ``"equal"`` and ``"equal_all"``; ``None``: the axis's own
+        flerm_policy: FLeRM's policy by name (:data:`fslr_func.training.policies.POLICIES`), e.g.
+            the paper's ablations ``"equal"`` and ``"equal_all"``; ``None``: the axis's own
             (:attr:`policy`).
         flerm_init: the models of FLeRM's runs: ``"standard"`` (the task's own) or ``"mup"``
             (muP's initialisation and readout multiplier,

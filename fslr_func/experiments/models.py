@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from fslr_func.names import BLOCK_PATTERN, block_index, compile_block_pattern
+from fslr_func.probe.names import BLOCK_PATTERN, block_index, compile_block_pattern
 
 __all__ = ["BLOCK_RE", "ResMLP", "Transformer", "block_index", "kaiming_normal_"]
 

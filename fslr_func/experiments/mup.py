@@ -9,8 +9,8 @@ A dimension of a tensor is *infinite* when its size differs from the same tensor
 model (same name); its width multiplier is :math:`m = n / n_\text{base}`. A tensor with no base
 counterpart (the extra blocks of a deeper model) is compared with its *role* in the base, the
 same name in another block of its stack (``blocks.7.lin.weight`` with ``blocks.0.lin.weight``,
-blocks found by :data:`fslr_func.names.BLOCK_PATTERN`), so a model both wider and deeper is muP
-along its width; with no such tensor it has only finite dimensions: muP scales width only.
+blocks found by :data:`fslr_func.probe.names.BLOCK_PATTERN`), so a model both wider and deeper is
+muP along its width; with no such tensor it has only finite dimensions: muP scales width only.
 
 With :math:`m_\text{in}` and :math:`m_\text{out}` the multipliers of a weight's fan-in (dim 1)
 and fan-out (dim 0), 1 for a finite dimension, and :math:`m` the multiplier of the last
@@ -56,7 +56,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from torch import Tensor, nn
 
-from ..names import block_role
+from ..probe.names import block_role
 
 if TYPE_CHECKING:
     from .task import Task

@@ -2,7 +2,7 @@
 
 A run is the sweep's optimiser at its learning rate (``standard``; the base-scale ones also
 record their FSLRs), in muP with the base model's shapes (``mup``,
-:func:`~fslr_func.experiments.mup.apply_mup`), or driven by :class:`~fslr_func.flerm.FLeRM`
+:func:`~fslr_func.experiments.mup.apply_mup`), or driven by :class:`~fslr_func.training.flerm.FLeRM`
 from the base record of its learning rate (``flerm``). Its
 result is a small JSON-able dict (``"format": RUN_FORMAT``), the document the cache stores.
 
@@ -22,11 +22,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..flerm import FLeRM
-from ..policies import Policy
-from ..record import FSLRRecord
-from ..recorder import Recorder
-from ..wrap import with_fslr
+from ..io.record import FSLRRecord
+from ..training.flerm import FLeRM
+from ..training.policies import Policy
+from ..training.recorder import Recorder
+from ..training.wrap import with_fslr
 from .configs import MODES, SweepConfig, lr_key, scale_key
 from .mup import apply_mup, base_shapes, mup_init_task
 from .task import Task

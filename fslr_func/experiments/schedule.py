@@ -49,7 +49,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..record import FSLRRecord
+from ..io.record import FSLRRecord
 from .configs import SweepConfig
 from .run import RunSpec, execute, unusable
 from .task import Task

@@ -3,12 +3,12 @@ r"""The learning-rate transfer sweep behind ``fslr demo`` and ``fslr sweep`` (pa
 For every learning rate ``lr``, scale ``s`` (the smallest is the base model) and seed ``k``:
 
 - ``standard``: plain Adam at ``lr``. The base-scale runs also record the base model's FSLRs
-  with a :class:`~fslr_func.recorder.Recorder` (EMA warm-up of ``warmup_samples`` omega samples
-  at step 0, then one probe every ``every`` steps); recording does not change training.
-- ``flerm``: Adam driven by :class:`~fslr_func.flerm.FLeRM` in the paper's static mode: after the
-  warm-up at step 0 the per-tensor rates are set once,
+  with a :class:`~fslr_func.training.recorder.Recorder` (EMA warm-up of ``warmup_samples`` omega
+  samples at step 0, then one probe every ``every`` steps); recording does not change training.
+- ``flerm``: Adam driven by :class:`~fslr_func.training.flerm.FLeRM` in the paper's static mode:
+  after the warm-up at step 0 the per-tensor rates are set once,
   ``lr_W = lr * FSLR_base_W(0) / FSLR_W(0)``, with the base FSLRs of ``lr`` averaged over the
-  seeds (:meth:`~fslr_func.record.FSLRRecord.mean`) and shared over blocks for depth
+  seeds (:meth:`~fslr_func.io.record.FSLRRecord.mean`) and shared over blocks for depth
   (``share_blocks`` policy; ``identity`` for width and init scale). The base scale's FLeRM run
   is the identity check: with one seed its rates are exactly ``lr`` and its losses those of the
   standard run.
@@ -72,8 +72,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..atomic import write_json
-from ..record import FSLRRecord
+from ..io.atomic import write_json
+from ..io.record import FSLRRecord
 from .cache import SweepCache, load_runs, mean_record
 from .configs import SweepConfig
 from .run import RUN_FORMAT, RunSpec, execute, grid

@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..functional import Inputs, OutputFn
-from ..policies import Policy
+from ..probe.functional import Inputs, OutputFn
+from ..training.policies import Policy
 from .configs import ConfigError, SweepConfig
 from .data import batches, digits, lm_batches, mnist1d, pydoc_text, split_bytes
 from .models import ResMLP, Transformer

@@ -32,7 +32,7 @@ from typing import Any
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from ..record import FSLRRecord
+from ..io.record import FSLRRecord
 from .session import Session
 
 __all__ = ["FLeRMCallback", "FSLRCallback"]

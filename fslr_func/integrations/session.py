@@ -31,13 +31,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..flerm import FLeRM
-from ..functional import Inputs
-from ..record import FSLRRecord
-from ..recorder import Recorder
-from ..step_hooks import StepHooks
-from ..transform import FSLRModule
-from ..wrap import with_fslr
+from ..io.record import FSLRRecord
+from ..probe.functional import Inputs
+from ..training.flerm import FLeRM
+from ..training.recorder import Recorder
+from ..training.step_hooks import StepHooks
+from ..training.wrap import with_fslr
+from ..training.wrapper import FSLRModule
 
 __all__ = ["RECORD_FILE", "STATE_FILE", "Session", "load_base"]
 
@@ -67,12 +67,12 @@ class Session:
     """A Recorder (``base=None``) or a FLeRM (``base`` a record) for one training run.
 
     Args:
-        base: ``None`` to record; else the base :class:`~fslr_func.record.FSLRRecord` (or a
+        base: ``None`` to record; else the base :class:`~fslr_func.io.record.FSLRRecord` (or a
             path to one) that FLeRM matches.
         fslr_options: options of :func:`fslr_func.with_fslr` (``samples``, ``seed``,
             ``output_fn``...).
-        options: options of :class:`~fslr_func.recorder.Recorder` or
-            :class:`~fslr_func.flerm.FLeRM` (``every``, ``warmup_samples``, ``mode``...).
+        options: options of :class:`~fslr_func.training.recorder.Recorder` or
+            :class:`~fslr_func.training.flerm.FLeRM` (``every``, ``warmup_samples``, ``mode``...).
 
     Raises:
         TypeError, ValueError: an option the callback sets itself (``optimizer``,

@@ -39,7 +39,7 @@ from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-from ..record import FSLRRecord
+from ..io.record import FSLRRecord
 from .session import STATE_FILE, Session
 
 if TYPE_CHECKING:

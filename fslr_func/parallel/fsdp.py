@@ -40,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .functional import is_dtensor
+from ..probe.functional import is_dtensor
 
 __all__ = ["full_tensors", "gathered", "is_fully_sharded", "unsharded"]
 

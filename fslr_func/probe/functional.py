@@ -1,6 +1,7 @@
 """A functional view of an ``nn.Module``: its tensors as dicts and its output as one flat vector.
 
-Shared by :mod:`fslr_func.probe` and :mod:`fslr_func.exact`. The module itself is never
+Shared by :mod:`fslr_func.probe.sampling` and :mod:`fslr_func.probe.exact`. The module itself is
+never
 mutated: parameters are substituted through :func:`torch.func.functional_call`, buffers are
 cloned for every forward (so BatchNorm running statistics are untouched by a probe), frozen
 parameters are passed as constants, and tied parameters appear once (``named_parameters()``
@@ -21,7 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten
 
-from .estimator import ReadoutRole
+from ..stats.estimator import ReadoutRole
 from .names import unwrapped
 
 Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
@@ -110,7 +111,7 @@ def seeded_forward(seed: int | None) -> Iterator[None]:
 
     The global RNG state is restored afterwards, so the caller's random stream is not
     advanced. Two forwards with the same seed draw the same random numbers (dropout masks):
-    this is how :func:`fslr_func.exact` and the probe measure the same function.
+    this is how :func:`fslr_func.probe.exact` and the probe measure the same function.
     """
     if seed is None:
         yield

@@ -101,7 +101,7 @@ def exact(
     Raises:
         ValueError: bad names or shapes, NaN or Inf in ``delta``, the inputs or the output,
             an empty batch, or a forward that cuts measured tensors out of the graph
-            (:mod:`fslr_func.connectivity`): their FSLR would silently read 0.
+            (:mod:`fslr_func.probe.connectivity`): their FSLR would silently read 0.
 
     Example:
         >>> model = torch.nn.Linear(3, 2, bias=False)

@@ -1,4 +1,4 @@
-"""Options shared by :class:`~fslr_func.recorder.Recorder` and :class:`~fslr_func.flerm.FLeRM`.
+"""Options shared by :class:`~fslr_func.training.recorder.Recorder` and :class:`~fslr_func.training.flerm.FLeRM`.
 
 Both take optimisers (unwrapped from ``accelerate`` and Lightning), an optional scheduler of
 one of them and an optional ``log_fn``, validated here at construction; both save their

@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from .functional import is_dtensor
+from ..probe.functional import is_dtensor
 
 __all__ = ["check_scalable", "group_lr", "scale_updates", "snapshot"]
 

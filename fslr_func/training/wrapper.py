@@ -32,7 +32,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from .estimator import (
+from ..probe.functional import Inputs, check_single_process, is_dtensor, readout_module
+from ..probe.names import WRAPPER_PREFIXES, short_list, unwrapped
+from ..probe.options import ProbeOptions, Strategy
+from ..probe.sampling import GradientReduction, run_probe
+from ..stats.estimator import (
     EMA,
     Estimator,
     Grouping,
@@ -42,19 +46,15 @@ from .estimator import (
     log_sq_norm,
     mean_valid_log_stats,
 )
-from .functional import Inputs, check_single_process, is_dtensor, readout_module
-from .names import WRAPPER_PREFIXES, short_list, unwrapped
-from .options import ProbeOptions, Strategy
-from .probe import GradientReduction, run_probe
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .options import ProbeKwargs
+    from ..probe.options import ProbeKwargs
 
 __all__ = ["FSLRModule", "Measurement", "Reading", "param_lrs"]
 
-_STATE_VERSION = 3  # 3: tensor names are the bare model's (fslr_func.names)
+_STATE_VERSION = 3  # 3: tensor names are the bare model's (fslr_func.probe.names)
 _EXTRA = "_extra_state"
 _METADATA_KEY = "fslr_state"  # the wrapper's state, in the state dict's metadata
 
@@ -213,8 +213,8 @@ class FSLRModule(nn.Module):
         seed: seeds the omega generators (one per device, each drawing omega where the
             model's output lives); ``None`` draws it from torch's global RNG.
         reduction: how a probe spans several processes
-            (:class:`~fslr_func.probe.GradientReduction`); ``None``: this process only.
-        **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`).
+            (:class:`~fslr_func.probe.sampling.GradientReduction`); ``None``: this process only.
+        **options: the probe's options (:class:`~fslr_func.probe.options.ProbeOptions`).
 
     A measured step never synchronises with the host: omega is drawn on the device, the EMAs
     stay there, and a probe whose statistics are not finite (a NaN in the probe batch, an
@@ -281,7 +281,7 @@ class FSLRModule(nn.Module):
     def name_prefix(self) -> str:
         """The prefix wrappers inside :attr:`module` add to the bare model's tensor names
         (``_orig_mod.`` of ``torch.compile``; ``""`` for a bare model). Records hold names
-        without it (:mod:`fslr_func.names`)."""
+        without it (:mod:`fslr_func.probe.names`)."""
         return unwrapped(self.module)[1]
 
     @property

@@ -10,7 +10,7 @@
 - :func:`plot_check`: ``fslr check``'s function-space movement of every tensor against scale,
   one panel per mode, the tensors drifting by more than the threshold drawn thick.
 - :func:`plot_sweep` and :func:`plot_record`: all figures of a sweep folder or of a saved
-  :class:`~fslr_func.record.FSLRRecord`.
+  :class:`~fslr_func.io.record.FSLRRecord`.
 
 matplotlib is imported only when a figure is drawn, and only its object-oriented API is used
 (``matplotlib.figure.Figure``, rendered by Agg): no global backend is switched and no window
@@ -30,7 +30,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .record import FSLRRecord
+from ..io.record import FSLRRecord
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -115,7 +115,7 @@ def _colours(n: int) -> list[Any]:
 
 
 def _scale_label(summary: Mapping[str, Any], scale: float) -> str:
-    from .experiments.configs import DEPTH_AXES, WIDTH_AXES, SweepConfig
+    from .configs import DEPTH_AXES, WIDTH_AXES, SweepConfig
 
     labels = summary.get("scale_labels")
     if isinstance(labels, Mapping) and f"{scale:g}" in labels:
@@ -167,7 +167,7 @@ def plot_transfer(
         ``path``. Diverged learning rates are left out (their line ends); the best learning
         rate of each scale is starred.
     """
-    from .experiments.configs import MODES
+    from .configs import MODES
 
     modes = [m for m in MODES if m in summary["modes"]]
     scales = [float(s) for s in summary["scales"]]
@@ -414,7 +414,7 @@ def plot_check(result: Mapping[str, Any], path: str | os.PathLike[str]) -> Path:
 def plot_record(
     path: str | os.PathLike[str], dest: str | os.PathLike[str] | None = None
 ) -> list[Path]:
-    """Plot a saved :class:`~fslr_func.record.FSLRRecord` (FSLR over time).
+    """Plot a saved :class:`~fslr_func.io.record.FSLRRecord` (FSLR over time).
 
     Args:
         path: the record's JSON file.
@@ -446,8 +446,8 @@ def plot_sweep(
     Returns:
         The written files.
     """
-    from .experiments.configs import lr_key, scale_key
-    from .experiments.sweep import RunSpec, load_runs, summarise
+    from .configs import lr_key, scale_key
+    from .sweep import RunSpec, load_runs, summarise
 
     out = Path(out)
     dest = Path(dest) if dest is not None else out

@@ -43,8 +43,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, SupportsFloat
 
+from ..probe.names import short_list
 from .atomic import atomic_write_text
-from .names import short_list
 from .record_meta import META_KEYS, default_meta, grouping_meta, library_version, optimizer_meta
 
 __all__ = ["FORMAT", "META_KEYS", "VERSION", "FSLRRecord", "grouping_meta", "optimizer_meta"]
@@ -458,7 +458,7 @@ class FSLRRecord:
     def schedule_at(self, step: int) -> float:
         """The base run's schedule ratio at any ``step``, continuous (never a staircase).
 
-        A :class:`~fslr_func.recorder.Recorder` stores the ratio at every training step in
+        A :class:`~fslr_func.training.recorder.Recorder` stores the ratio at every training step in
         ``meta["sched_per_step"]`` (index = step): that value, exactly. Between and beyond
         what is stored, ``sched`` is interpolated linearly between recorded rows and held
         after the last one.

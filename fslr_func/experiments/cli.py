@@ -33,8 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .atomic import write_json
-from .experiments.configs import (
+from ..io.atomic import write_json
+from ..io.record_meta import library_version
+from ..training.policies import POLICIES
+from .configs import (
     AXES,
     DATA,
     DEMO,
@@ -45,8 +47,7 @@ from .experiments.configs import (
     ConfigError,
     SweepConfig,
 )
-from .experiments.train import OPTIMIZERS, SCHEDULES
-from .policies import POLICIES
+from .train import OPTIMIZERS, SCHEDULES
 
 __all__ = ["build_parser", "main", "parse_lrs"]
 
@@ -151,7 +152,7 @@ def _modes(text: str) -> tuple[str, ...]:
 
 
 def _check_modes(text: str) -> tuple[str, ...]:
-    from .experiments.check import CHECK_MODES
+    from .check import CHECK_MODES
 
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     if not modes or any(m not in CHECK_MODES for m in modes):
@@ -300,14 +301,12 @@ def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: s
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The ``fslr`` parser and its subcommand parsers (by name)."""
-    from . import __version__
-
     parser = argparse.ArgumentParser(
         prog="fslr",
         description="Function-space learning rates and FLeRM learning-rate transfer: run the "
         "demo, run a learning-rate transfer sweep, or plot results.",
     )
-    parser.add_argument("--version", action="version", version=f"fslr_func {__version__}")
+    parser.add_argument("--version", action="version", version=f"fslr_func {library_version()}")
     sub = parser.add_subparsers(dest="command", metavar="{demo,sweep,plot,check}")
     sub.required = True
     demo = sub.add_parser(
@@ -389,7 +388,7 @@ def _note(text: str) -> None:
 
 
 def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) -> int:
-    from .experiments.sweep import default_jobs, format_table, run_sweep
+    from .sweep import default_jobs, format_table, run_sweep
 
     try:
         config = _config(args, demo).validate()
@@ -466,8 +465,8 @@ def _write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 
 def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .experiments.sweep import format_table, load_runs, summarise
     from .plot import plot_record, plot_sweep
+    from .sweep import format_table, load_runs, summarise
 
     path: Path = args.path
     if not path.exists():
@@ -489,8 +488,8 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 
 def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from .experiments.check import coord_check, format_check
-    from .experiments.task import builtin_task
+    from .check import coord_check, format_check
+    from .task import builtin_task
 
     given = {
         f: getattr(args, f)

@@ -50,7 +50,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol, SupportsFloat, TypeAlias, cast
 
-from .names import BLOCK_PATTERN, compile_block_pattern, short_list
+from ..probe.names import BLOCK_PATTERN, compile_block_pattern, short_list
 
 __all__ = [
     "DEFAULT_PATTERN",

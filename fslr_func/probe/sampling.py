@@ -2,15 +2,15 @@ r"""The probe: one forward, one vjp, and the vjp applied to ``S`` random output 
 
 For outputs ``F`` flattened to ``M`` elements and ``omega`` with i.i.d. zero-mean unit-variance
 entries, the probe ``phi = sum(omega * F) / sqrt(M)`` has gradient ``g = J^T omega / sqrt(M)``.
-The forward runs once under :func:`torch.func.vjp` (:mod:`fslr_func.vjp`); the returned
+The forward runs once under :func:`torch.func.vjp` (:mod:`fslr_func.probe.vjp`); the returned
 ``vjp_fn`` is then applied to every omega, and each sample is reduced at once to the ``D + 2``
-log statistics of ``Z = dW * g`` (:func:`fslr_func.estimator.log_statistics`), so only
+log statistics of ``Z = dW * g`` (:func:`fslr_func.stats.estimator.log_statistics`), so only
 statistics leave the per-sample function. With ``strategy="vmap"`` the samples go through
 :func:`torch.func.vmap` in chunks of ``chunk_size`` (peak memory grows with the chunk, not
 with ``S``); ``"loop"`` applies ``vjp_fn`` once per sample; ``"autograd"`` uses plain
 ``torch.autograd.grad`` for models that torch.func cannot trace. ``"auto"`` (the default)
 picks vmap, or the loop for conv nets on CPU, from the model and the device
-(:func:`fslr_func.vjp.default_strategy`), so reruns take the same path and agree bit for bit;
+(:func:`fslr_func.probe.vjp.default_strategy`), so reruns take the same path and agree bit for bit;
 ``"timed"`` times both on the first chunk and keeps the faster. Both fall back, with one
 warning, when a path fails.
 
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 from torch.func import vmap
 
-from .estimator import (
+from ..stats.estimator import (
     Estimator,
     ReadoutRole,
     check_estimator,
@@ -73,7 +73,8 @@ class ProbeResult:
 
     Attributes:
         log_stats: tensor name -> ``(S, D + 2)`` float64 log statistics, one row per sample,
-            ``D`` the rank of the tensor's grouped view (:func:`fslr_func.estimator.grouped_shape`).
+            ``D`` the rank of the tensor's grouped view
+            (:func:`fslr_func.stats.estimator.grouped_shape`).
         readout: readout tensor names -> ``"weight"`` or ``"bias"``.
         readout_module: the readout module's name, or ``None``.
         num_outputs: ``M``, the number of output elements (of the global batch when the probe
@@ -244,7 +245,7 @@ def run_probe(
         model: any module; it is not mutated (buffers are cloned, parameters substituted).
         inputs: a tensor, a tuple of positional arguments or a dict of keyword arguments.
         delta: parameter name -> unit-learning-rate update (names of ``named_parameters()``).
-        options: the validated :class:`~fslr_func.options.ProbeOptions`.
+        options: the validated :class:`~fslr_func.probe.options.ProbeOptions`.
         generator: draws omega.
         params: values to evaluate the gradient at; defaults to the module's parameters.
         reduction: combines the per-sample gradients of several processes
@@ -356,7 +357,7 @@ def probe(
             run).
         params: values to evaluate the gradient at (e.g. the weights before an optimiser
             step); defaults to the module's current parameters. Partial dicts are fine.
-        **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`):
+        **options: the probe's options (:class:`~fslr_func.probe.options.ProbeOptions`):
             ``samples``, ``omega``, ``output_fn``, ``readout``, ``chunk_size``, ``strategy``,
             ``grouping``, ``forward_seed``.
 
@@ -394,8 +395,8 @@ def estimate(
     (:math:`E[\sum Z^2]`); the readout layer's tensors use the row-independent variants with
     ``kron``. ``grouping`` chooses the Kronecker factors of tensors of rank 3 or more (conv
     weights): ``"auto"`` views them as ``out x rest``; ``"dims"`` is the paper's one factor
-    per dim. See :mod:`fslr_func.estimator`, :class:`~fslr_func.options.ProbeOptions` for the
-    probe's options (``samples=8``, ``omega="gaussian"``, ``output_fn``, ``readout="auto"``,
+    per dim. See :mod:`fslr_func.stats.estimator`, :class:`~fslr_func.probe.options.ProbeOptions`
+    for the probe's options (``samples=8``, ``omega="gaussian"``, ``output_fn``, ``readout="auto"``,
     ``chunk_size``, ``strategy="auto"``, ``grouping="auto"``, ``forward_seed``) and
     :func:`probe` for the other arguments.
 

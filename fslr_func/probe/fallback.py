@@ -1,7 +1,7 @@
 """Fallbacks when torch.func cannot trace a module: say so once, keep the user's run going.
 
 The probe falls back from :func:`torch.func.vmap` to a loop and from :func:`torch.func.vjp`
-to plain autograd; :func:`fslr_func.exact` from :func:`torch.func.jvp` to a double vjp. Each
+to plain autograd; :func:`fslr_func.probe.exact` from :func:`torch.func.jvp` to a double vjp. Each
 fallback gives the same result more slowly, so it warns once per model class and kind of
 fallback, never per step.
 

@@ -1,6 +1,7 @@
 r"""FLeRM: function-space learning rate matching (paper section 3.3, Algorithm 1 in blue).
 
-A base run's FSLRs are recorded (:class:`~fslr_func.recorder.Recorder`); :class:`FLeRM` then
+A base run's FSLRs are recorded (:class:`~fslr_func.training.recorder.Recorder`); :class:`FLeRM`
+then
 drives a scaled model (wider, deeper, re-initialised, higher LoRA rank) so that each tensor moves
 the function as its base counterpart did. What is matched is each base tensor's function-space
 movement per step, its unit-rate FSLR times its learning rate,
@@ -15,8 +16,8 @@ movement per step, its unit-rate FSLR times its learning rate,
 with :math:`\eta_b(t)` the rate in force for base tensor ``b`` (``base.lrs_at(t)``),
 :math:`\eta_{0,b}` its un-scheduled rate, :math:`\eta_0` the base learning rate
 (``base.meta["base_lr"]``) and :math:`\mathrm{sched}^\text{base}(t)` the base run's schedule
-ratio ``base.sched_at(t)``. The policy (depth: :func:`fslr_func.policies.share_blocks`) maps
-:math:`\tilde F` to a target :math:`T_W(t)` for every scaled tensor, sharing each base tensor's
+ratio ``base.sched_at(t)``. The policy (depth: :func:`fslr_func.training.policies.share_blocks`)
+maps :math:`\tilde F` to a target :math:`T_W(t)` for every scaled tensor, sharing each base tensor's
 movement among the tensors that replace it. At a *set point* ``t`` FLeRM measures the scaled
 model's unit-learning-rate FSLRs and sets, per tensor,
 
@@ -41,7 +42,7 @@ Set points: ``mode="static"`` (the paper's main results): once, at ``start_step`
 EMA warm-up (``ceil(warmup_samples / fm.samples)`` probes of that step's update on fresh probe
 batches); ``mode="periodic"``: also every ``every`` steps after it, with one probe each.
 
-Per-tensor rates without touching your param groups (:mod:`fslr_func.update_scaling`): the
+Per-tensor rates without touching your param groups (:mod:`fslr_func.training.update_scaling`): the
 optimiser steps once, at its own groups' rates :math:`\eta_g`, and FLeRM then scales each
 tensor's update by :math:`\eta_W / \eta_g`, which is the step at :math:`\eta_W` for every
 optimiser whose update is proportional to its rate (SGD, Adam, AdamW, fused or not...; the
@@ -51,13 +52,13 @@ your own groups; at a set point the step is measured and then scaled, never re-t
 
 Schedules: ``scheduler=None``: :math:`\mathrm{sched}(t)` is the base run's ratio
 ``base.schedule_at(t)`` (the paper's cosine-annealing appendix): recorded at every step by the
-:class:`~fslr_func.recorder.Recorder`, interpolated for older records, never a staircase.
+:class:`~fslr_func.training.recorder.Recorder`, interpolated for older records, never a staircase.
 ``scheduler=`` a scheduler of the scaled run's optimiser: :math:`\mathrm{sched}(t)` is that
 scheduler's ratio, per param group, ``group["lr"] / group["initial_lr"]``.
 
 Example:
     >>> import torch, fslr_func as ff
-    >>> from fslr_func.recorder import Recorder
+    >>> from fslr_func.training.recorder import Recorder
     >>> def run(width, lr, flerm_base=None):
     ...     torch.manual_seed(0)
     ...     net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(),
@@ -93,18 +94,18 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
+from ..io.record import FSLRRecord, grouping_meta
+from ..io.record_meta import is_learning_rate
+from ..probe.functional import Inputs
+from ..probe.names import recorded_names
 from . import policies
 from .control_options import check_log_fn, check_scheduler, check_state, optimizers_of
 from .flerm_rule import match, rate
-from .functional import Inputs
-from .names import recorded_names
 from .probe_schedule import ProbeFeed, ProbePlan
-from .record import FSLRRecord, grouping_meta
-from .record_meta import is_learning_rate
 from .recorder import LogFn
 from .step_hooks import StepHooks
-from .transform import FSLRModule
 from .update_scaling import check_scalable, group_lr, scale_updates, snapshot
+from .wrapper import FSLRModule
 
 __all__ = ["FLeRM", "SetPoint"]
 
@@ -156,14 +157,14 @@ class FLeRM:
             whose step only reads the gradients and its per-parameter state; not LBFGS, which
             allows one param group and needs a closure); ``accelerate``'s and Lightning's
             wrappers are unwrapped.
-        base: the base run's :class:`~fslr_func.record.FSLRRecord` (mean over seeds or not);
+        base: the base run's :class:`~fslr_func.io.record.FSLRRecord` (mean over seeds or not);
             ``base.meta["base_lr"]`` is :math:`\eta_0`; ``base.lrs`` (if recorded) gives each
             base tensor's own rate :math:`\eta_{0,b}`.
         probe_batches: probe inputs, separate from the training batches: an endless iterator
             or a re-iterable such as a ``DataLoader`` (cycled).
         policy: maps base FSLRs to the scaled tensors: ``"identity"`` (width, init scale, LoRA
             rank), ``"share_blocks"`` (depth), ``"equal"``, ``"equal_all"`` or any
-            :class:`~fslr_func.policies.Policy`.
+            :class:`~fslr_func.training.policies.Policy`.
         mode: ``"static"`` (set once at ``start_step``) or ``"periodic"`` (and every
             ``every`` steps after it).
         every: period of the periodic set points.
@@ -290,7 +291,7 @@ class FLeRM:
         if known:  # parameters added to the model after FLeRM was built
             self._late |= self._params.keys() - known.keys()
         self._name_of = {id(p): n for n, p in self._params.items()}
-        # policies see bare names on both sides (fslr_func.names): the scaled model's without
+        # policies see bare names on both sides (fslr_func.probe.names): the scaled model's without
         # its wrappers' prefixes, the record's read by recorded_names
         prefix = self.fm.name_prefix
         self._bare = {n: n.removeprefix(prefix) for n in self._params}
@@ -436,8 +437,8 @@ class FLeRM:
         """Drive every ``optimizer.step()`` from now on, through the optimiser's step hooks.
 
         Returns:
-            The :class:`~fslr_func.step_hooks.StepHooks`; ``.detach()`` (or a ``with`` block
-            over it) removes them.
+            The :class:`~fslr_func.training.step_hooks.StepHooks`; ``.detach()`` (or a ``with``
+            block over it) removes them.
         """
         return StepHooks(self.step, [self.optimizer])
 
@@ -446,11 +447,11 @@ class FLeRM:
         """Context manager around one ``optimizer.step()``: FLeRM rates, set points.
 
         The optimiser steps once, at its own groups' rates; on exit each tensor's update is
-        scaled to FLeRM's rate (:mod:`fslr_func.update_scaling`), at a set point after the
+        scaled to FLeRM's rate (:mod:`fslr_func.training.update_scaling`), at a set point after the
         step was measured and the new rates set.
 
         Args:
-            optimizer: optional, as for :meth:`fslr_func.recorder.Recorder.step`: the
+            optimizer: optional, as for :meth:`fslr_func.training.recorder.Recorder.step`: the
                 optimiser FLeRM was built with (FLeRM drives that one only).
 
         Raises:

@@ -6,11 +6,11 @@ the readout layer on the way; :meth:`VjpSetup.map_samples` applies a per-sample 
 on the returned ``vjp_fn`` to every row of a batch of omegas, by :func:`torch.func.vmap` or by a
 loop (``strategy="auto"`` picks one from the model and device, the same on every run;
 ``"timed"`` times the two on the first call and keeps the faster). The probe
-(:mod:`fslr_func.probe`) is built on the two.
+(:mod:`fslr_func.probe.sampling`) is built on the two.
 
 Example:
     >>> import torch
-    >>> from fslr_func.options import ProbeOptions
+    >>> from fslr_func.probe.options import ProbeOptions
     >>> model = torch.nn.Linear(3, 2)
     >>> delta = {n: torch.ones_like(p) for n, p in model.named_parameters()}
     >>> setup = prepare_vjp(model, torch.randn(5, 3), delta, ProbeOptions(strategy="loop"))
@@ -32,8 +32,8 @@ import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
 
+from ..stats.estimator import ReadoutRole, grouped_shape
 from .connectivity import CutFinder, check_connected
-from .estimator import ReadoutRole, grouped_shape
 from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
@@ -208,10 +208,11 @@ def prepare_vjp(
     model and the strategy is ``"auto"`` or ``"timed"`` (one warning); ``"auto"`` then
     resolves to :func:`default_strategy`. The readout layer is detected during
     this forward, and a forward that cuts probed tensors out of the graph is refused
-    (:mod:`fslr_func.connectivity`). Arguments are those of :func:`fslr_func.probe.run_probe`.
+    (:mod:`fslr_func.probe.connectivity`). Arguments are those of
+    :func:`fslr_func.probe.sampling.run_probe`.
 
     Raises:
-        ValueError: bad names or shapes (:func:`~fslr_func.functional.evaluation_point`); a
+        ValueError: bad names or shapes (:func:`~fslr_func.probe.functional.evaluation_point`); a
             zero-size input or output; probed tensors cut out of the graph; with ``strict``,
             NaN or Inf in ``delta``, the inputs or the output.
     """

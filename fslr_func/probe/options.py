@@ -1,7 +1,7 @@
 """The probe's options: one frozen, validated object built at every public entry point.
 
-:func:`fslr_func.estimate`, :func:`fslr_func.probe.probe`, :func:`fslr_func.with_fslr` and the
-data-parallel functions of :mod:`fslr_func.distributed` take the probe's options as keyword
+:func:`fslr_func.estimate`, :func:`fslr_func.probe.sampling.probe`, :func:`fslr_func.with_fslr` and
+the data-parallel functions of :mod:`fslr_func.distributed` take the probe's options as keyword
 arguments (:class:`ProbeKwargs`, typed for the checker) and turn them into one
 :class:`ProbeOptions` as their first step, so a bad value raises there, with the same message
 whichever entry point received it, before any model code runs. Everything below the entry
@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, TypedDict, get_args
 
-from .estimator import Grouping, check_grouping
+from ..stats.estimator import Grouping, check_grouping
 from .functional import OutputFn
 
 __all__ = [
@@ -67,8 +67,8 @@ class ProbeOptions:
             readout variants).
         chunk_size: samples per vmap call (peak memory grows with it); ``None``: chosen by
             bytes, as many as keep one chunk's omegas and gradients within
-            :data:`fslr_func.probe.CHUNK_BYTES` (all ``S`` on small models, one per chunk for a
-            language model's output).
+            :data:`fslr_func.probe.sampling.CHUNK_BYTES` (all ``S`` on small models, one per chunk
+            for a language model's output).
         strategy: ``"auto"`` (vmap, or a loop for conv nets on CPU: decided from the model
             and device, so reruns agree bit for bit; falls back, with one warning, where a
             path fails), ``"vmap"``, ``"loop"``, ``"autograd"`` (plain
@@ -76,10 +76,10 @@ class ProbeOptions:
             vmap against the loop on the first chunk and keep the faster: may differ from run
             to run in path and rounding; falls back as ``"auto"`` does).
         grouping: Kronecker factors of tensors of rank 3 or more
-            (:func:`fslr_func.estimator.grouped_shape`): ``"auto"``, ``"dims"``, ``"matrix"``
+            (:func:`fslr_func.stats.estimator.grouped_shape`): ``"auto"``, ``"dims"``, ``"matrix"``
             or a callable ``(name, shape) -> view shape``.
         forward_seed: run the forward under its own RNG seeded with this (restoring the
-            global state after): the same seed in :func:`fslr_func.exact` gives the same
+            global state after): the same seed in :func:`fslr_func.probe.exact` gives the same
             dropout masks. ``None``: the forward uses the global RNG.
 
     Raises:

@@ -1,6 +1,6 @@
 """``with_fslr``: the one entry point that wraps a model, in one process, data-parallel or FSDP2.
 
-It picks the wrapper: :class:`~fslr_func.transform.FSLRModule` for a plain module,
+It picks the wrapper: :class:`~fslr_func.training.wrapper.FSLRModule` for a plain module,
 :class:`~fslr_func.distributed.DistributedFSLRModule` for a data-parallel one, an FSDP2
 (``fully_shard``) one, or when asked for a distributed probe. Either way the probe options
 are validated here, before anything else.
@@ -18,16 +18,17 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
-from .distributed import DistributedFSLRModule, is_data_parallel
-from .estimator import Estimator
-from .fsdp import is_fully_sharded
-from .process_group import ProcessGroup
-from .transform import FSLRModule
+from ..parallel.data_parallel import is_data_parallel
+from ..parallel.fsdp import is_fully_sharded
+from ..parallel.process_group import ProcessGroup
+from ..stats.estimator import Estimator
+from .distributed import DistributedFSLRModule
+from .wrapper import FSLRModule
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
-    from .options import ProbeKwargs
+    from ..probe.options import ProbeKwargs
 
 __all__ = ["with_fslr"]
 
@@ -56,7 +57,7 @@ def with_fslr(
             when ``model`` is a ``DistributedDataParallel`` module (always unwrapped) or has
             FSDP2-sharded parameters (always distributed).
         group: the process group of a distributed probe; ``None``: the default group.
-        **options: the probe's options (:class:`~fslr_func.options.ProbeOptions`):
+        **options: the probe's options (:class:`~fslr_func.probe.options.ProbeOptions`):
             ``samples=8`` (omega samples per probe batch), ``omega="gaussian"``,
             ``output_fn`` (``lambda o: o.logits``), ``readout="auto"`` (a module name, or
             ``None`` to switch the readout variants off), ``chunk_size`` (bounds the probe's
@@ -64,7 +65,7 @@ def with_fslr(
             ``out x rest``; ``"dims"``, ``"matrix"`` or a callable), ``forward_seed``.
 
     Returns:
-        An :class:`~fslr_func.transform.FSLRModule`; ``fm(x) == model(x)``.
+        An :class:`~fslr_func.training.wrapper.FSLRModule`; ``fm(x) == model(x)``.
 
     Raises:
         ValueError: an invalid option (at once, before any probe), a model without

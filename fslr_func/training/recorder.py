@@ -8,7 +8,7 @@ training batch) and folded into the wrapper's EMAs, and
 
     \mathrm{FSLR}_W(t) = \|\Delta_W f\|_\mathrm{RMS} \text{ at learning rate } 1
 
-is appended to an :class:`~fslr_func.record.FSLRRecord` with the learning rates in force and the
+is appended to an :class:`~fslr_func.io.record.FSLRRecord` with the learning rates in force and the
 scheduler ratio :math:`\mathrm{sched}(t) = \eta(t) / \eta_0`. The EMAs are warmed up at the first
 recorded step with :math:`\lceil \text{warmup\_samples} / S \rceil` probes of the same update on
 fresh batches (``S`` omega samples per probe; the paper uses 40 samples), then one probe every
@@ -16,7 +16,7 @@ fresh batches (``S`` omega samples per probe; the paper uses 40 samples), then o
 
 Example:
     >>> import torch, fslr_func as ff
-    >>> from fslr_func.recorder import Recorder
+    >>> from fslr_func.training.recorder import Recorder
     >>> _ = torch.manual_seed(0)
     >>> fm = ff.with_fslr(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
     ...                                       torch.nn.Linear(8, 3)), samples=4, seed=0)
@@ -44,15 +44,15 @@ from typing import Any
 
 import torch
 
+from ..io.record import FSLRRecord, grouping_meta, optimizer_meta
+from ..io.record_meta import is_learning_rate
+from ..probe.functional import Inputs
+from ..probe.names import unwrapped
 from .control_options import check_log_fn, check_scheduler, check_state, optimizers_of
-from .functional import Inputs
-from .names import unwrapped
 from .probe_schedule import ProbeFeed, ProbePlan
-from .record import FSLRRecord, grouping_meta, optimizer_meta
-from .record_meta import is_learning_rate
 from .step_hooks import StepHooks
-from .transform import FSLRModule, Measurement, param_lrs
 from .update_scaling import group_lr
+from .wrapper import FSLRModule, Measurement, param_lrs
 
 __all__ = ["LogFn", "Recorder", "schedule_ratio"]
 
@@ -92,7 +92,7 @@ class Recorder:
     step, ``with recorder.step(): optimizer.step()`` (or ``around_step=lambda t:
     recorder.step()`` with :func:`fslr_func.experiments.train`); passing the optimiser to
     each ``step(optimizer)`` instead of at construction works too. On a probed step the block
-    yields the :class:`~fslr_func.transform.Measurement` and a row
+    yields the :class:`~fslr_func.training.wrapper.Measurement` and a row
     :math:`(t, \mathrm{FSLR}_W(t), \eta_W(t), \mathrm{sched}(t))` is appended to
     :attr:`record`; on other steps it yields ``None``. The schedule ratio is stored at *every*
     step (``record.meta["sched_per_step"]``), so FLeRM follows the base schedule exactly.
@@ -108,7 +108,7 @@ class Recorder:
         probe_batches: probe inputs (a tensor, a tuple of positional arguments or a dict of
             keyword arguments per item), separate from the training batches: an endless
             iterator, or a re-iterable such as a ``DataLoader`` (cycled,
-            :class:`~fslr_func.probe_schedule.ProbeFeed`).
+            :class:`~fslr_func.training.probe_schedule.ProbeFeed`).
         optimizer: the optimiser whose steps are recorded, or several stepped together
             (Muon on the matrices, AdamW on the rest: one record of the whole model);
             framework wrappers (``accelerate``, Lightning) are unwrapped. ``None``: given to
@@ -130,7 +130,7 @@ class Recorder:
             recorded row (TensorBoard: ``lambda t, s: writer.add_scalars("fslr", s, t)``).
 
     Attributes:
-        record: the :class:`~fslr_func.record.FSLRRecord` being filled.
+        record: the :class:`~fslr_func.io.record.FSLRRecord` being filled.
         t: index of the next training step.
 
     Raises:
@@ -179,7 +179,7 @@ class Recorder:
             "base_lr": base_lr,
             "scheduler": None if scheduler is None else type(self.scheduler).__name__,
         }
-        self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.names)
+        self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.probe.names)
         shapes = {
             n.removeprefix(self._prefix): list(p.shape)
             for n, p in fm.module.named_parameters()
@@ -217,8 +217,8 @@ class Recorder:
         """Record every ``optimizer.step()`` from now on, through the optimiser's step hooks.
 
         Returns:
-            The :class:`~fslr_func.step_hooks.StepHooks`; ``.detach()`` (or a ``with`` block
-            over it) removes them.
+            The :class:`~fslr_func.training.step_hooks.StepHooks`; ``.detach()`` (or a ``with``
+            block over it) removes them.
 
         Raises:
             ValueError: the Recorder was built without an optimiser.
@@ -239,7 +239,7 @@ class Recorder:
             ValueError: no optimiser here or at construction, or another one than that.
 
         Yields:
-            The step's :class:`~fslr_func.transform.Measurement` (filled in on exit) on a
+            The step's :class:`~fslr_func.training.wrapper.Measurement` (filled in on exit) on a
             probed step, else ``None``.
         """
         optimizers = self._optimizers(optimizer)

@@ -1,6 +1,7 @@
 """Drive a per-step controller from optimiser step hooks instead of a ``with`` block.
 
-:class:`~fslr_func.recorder.Recorder` and :class:`~fslr_func.flerm.FLeRM` work around one
+:class:`~fslr_func.training.recorder.Recorder` and :class:`~fslr_func.training.flerm.FLeRM` work
+around one
 training step: their ``step()`` context manager is entered just before the optimiser updates
 the weights and exited just after. :class:`StepHooks` enters and exits that same context
 manager from ``torch.optim.Optimizer.register_step_pre_hook`` and

@@ -1,6 +1,6 @@
 """What a record says about the run it came from: its metadata.
 
-Every :class:`~fslr_func.record.FSLRRecord` carries :data:`META_KEYS` (filled with defaults
+Every :class:`~fslr_func.io.record.FSLRRecord` carries :data:`META_KEYS` (filled with defaults
 where unknown); :func:`optimizer_meta` and :func:`grouping_meta` describe an optimiser and a
 grouping in JSON-able form, and FLeRM compares a base record's metadata with the scaled run's.
 
@@ -17,7 +17,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from .estimator import Grouping
+from ..stats.estimator import Grouping
 
 __all__ = [
     "META_KEYS",

@@ -1,5 +1,5 @@
-"""When to probe and with which batches: shared by :class:`~fslr_func.recorder.Recorder` and
-:class:`~fslr_func.flerm.FLeRM`.
+"""When to probe and with which batches: shared by :class:`~fslr_func.training.recorder.Recorder`
+and :class:`~fslr_func.training.flerm.FLeRM`.
 
 A :class:`ProbePlan` says how many probe batches each training step gets (an EMA warm-up at
 the first probed step, then one every ``every`` steps); a :class:`ProbeFeed` hands them out
@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from .functional import Inputs
+from ..probe.functional import Inputs
 
 __all__ = ["ProbeFeed", "ProbePlan"]
 

@@ -13,8 +13,8 @@ so that :math:`\eta_W \, \mathrm{FSLR}_W = \eta_0 \, \mathrm{sched}(t) \, T_W`: 
 the function as its base counterpart did. A tensor whose FSLR or target is zero or tiny
 (``<= min_fslr``: LoRA ``A`` while ``B = 0``) has no ratio and is *held* (it keeps its rate);
 one whose FSLR is not finite, or whose rate would overflow its dtype, is held too and reported
-apart. :class:`~fslr_func.flerm.FLeRM` applies the result to an optimiser
-(:mod:`fslr_func.update_scaling`).
+apart. :class:`~fslr_func.training.flerm.FLeRM` applies the result to an optimiser
+(:mod:`fslr_func.training.update_scaling`).
 
 Example:
     >>> m = match({"w": 0.2, "b": 0.0}, {"w": 0.4, "b": 0.1}, lr0=1e-2)

@@ -1,0 +1,344 @@
+r"""Data-parallel FSLRs: every rank probes its shard, and the probe gradients are all-reduced.
+
+With ``R`` ranks, rank ``r`` holding ``M_r`` of the ``M = sum_r M_r`` output elements of the
+global batch, the probe of the global batch splits into per-rank sums:
+
+.. math::
+
+    \phi = \frac{1}{\sqrt{M}} \sum_r \omega_r \cdot F_r, \qquad
+    g = \frac{\partial \phi}{\partial W}
+      = \sum_r \underbrace{J_r^\top \omega_r / \sqrt{M}}_{\text{local vjp of rank } r},
+
+so each rank runs one vjp of its own shard with the cotangent :math:`\omega_r/\sqrt{M}` (``M``
+global), and an all-reduce (sum) of the per-sample gradients gives every rank the gradient
+``g`` of the global batch. ``Z = dW * g`` and its statistics are then computed identically on
+every rank; under ``DistributedDataParallel`` ``dW`` is identical on every rank (gradients are
+averaged before the step), so the estimates, the EMAs and FLeRM's rates are too.
+
+With ``omega_draw="global"`` (default) every rank draws the full ``M``-vector of each sample
+from the same generator state, exactly as :func:`fslr_func.probe.sampling.probe` does for the
+concatenated batch, and keeps its slice ``omega[offset_r : offset_r + M_r]`` (``offset_r`` the
+output sizes of the earlier ranks, exchanged with one ``all_gather``). The result then equals,
+up to floating-point summation order, the single-process estimate on the concatenated batch
+with the same generator seed. ``omega_draw="local"`` draws only the ``M_r`` entries of the
+rank's slice from a generator seeded per rank (independent across ranks): the same estimator in
+distribution and identical on every rank, at ``1/R`` of the drawing cost, but not equal draw
+for draw to the single-process run.
+
+Costs per probe: one ``all_gather`` of three integers, then one ``all_reduce`` per chunk of
+``chunk_size`` samples (per dtype) of ``chunk_size x P`` elements, ``P`` the number of probed
+parameter elements: the gradient-sized all-reduce DDP performs at every step, once per sample.
+
+The probe here is the core probe (:func:`fslr_func.probe.sampling.run_probe`, the one sampling loop)
+with a :class:`DataParallelReduction` hook: every fix to the core holds here too. A model
+sharded with FSDP2 (``fully_shard``) is probed the same way after its parameters and the update
+are all-gathered for the probe's duration (:func:`fslr_func.parallel.fsdp.gathered`).
+
+Example:
+    Under ``torchrun --nproc-per-node=2 train.py``, with the process group initialised:
+
+    >>> import torch, torch.distributed as dist, fslr_func as ff  # doctest: +SKIP
+    >>> ddp = torch.nn.parallel.DistributedDataParallel(model)  # doctest: +SKIP
+    >>> fm = ff.with_fslr(ddp, samples=8, seed=0)  # doctest: +SKIP
+    >>> opt = torch.optim.Adam(fm.parameters(), lr=1e-3)  # doctest: +SKIP
+    >>> loss_fn(fm(x_shard), y_shard).backward()  # doctest: +SKIP
+    >>> with fm.measure(opt, probe_shard):  # doctest: +SKIP
+    ...     opt.step()
+    >>> fm.fslr()  # the global batch's FSLRs, identical on every rank  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Literal, get_args
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+from ..probe.functional import Inputs
+from ..probe.names import unwrapped
+from ..probe.options import ProbeOptions
+from ..probe.sampling import OmegaSlice, ProbeResult, run_probe
+from ..stats.estimator import Estimator, check_estimator
+from .fsdp import gathered
+from .process_group import ProcessGroup, broadcast_seed, collective_device, rank_and_size
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..probe.options import ProbeKwargs
+
+__all__ = [
+    "OMEGA_DRAWS",
+    "DataParallelReduction",
+    "OmegaDraw",
+    "all_reduce_gradients",
+    "broadcast_seed",
+    "collective_device",
+    "estimate",
+    "is_data_parallel",
+    "omega_span",
+    "probe",
+    "unwrap",
+]
+
+OmegaDraw = Literal["global", "local"]
+"""How ranks draw omega: all of it from one shared generator, or each rank its own slice."""
+OMEGA_DRAWS: tuple[str, ...] = get_args(OmegaDraw)
+
+
+def is_data_parallel(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``DistributedDataParallel`` or ``DataParallel`` wrapper.
+
+    Example:
+        >>> is_data_parallel(torch.nn.Linear(2, 2))
+        False
+    """
+    return isinstance(model, (DistributedDataParallel, DataParallel))
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module inside (possibly nested) ``DistributedDataParallel``/``DataParallel`` wrappers.
+
+    Probes run on the inner module: the wrapper's forward would prepare gradient
+    synchronisation and broadcast buffers, neither of which belongs in a functional probe.
+
+    Example:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> unwrap(torch.nn.DataParallel(lin)) is lin, unwrap(lin) is lin
+        (True, True)
+    """
+    return unwrapped(model, compiled=False)[0]
+
+
+def omega_span(sizes: Sequence[int], rank: int) -> tuple[int, int]:
+    """``(offset, total)``: where rank ``rank``'s outputs sit in the concatenated output.
+
+    Args:
+        sizes: number of output elements of every rank, in rank order.
+        rank: this rank.
+
+    Example:
+        >>> omega_span([6, 4, 5], 1)
+        (6, 15)
+    """
+    return int(sum(sizes[:rank])), int(sum(sizes))
+
+
+#: The output size sent by a rank that cannot probe its shard (:meth:`DataParallelReduction.abort`).
+_FAILED = -1
+
+
+def _gather_layout(
+    num_outputs: int, num_params: int, samples: int, group: ProcessGroup
+) -> list[int]:
+    """All ranks' output sizes; checks that all ranks probe the same tensors and samples.
+
+    Every rank sees the same gathered table, so on a mismatch, or a rank that could not probe
+    (``num_outputs == _FAILED``), every rank raises (no hang).
+    """
+    _, world = rank_and_size(group)
+    local = torch.tensor(
+        [num_outputs, num_params, samples], dtype=torch.int64, device=collective_device(group)
+    )
+    table = [torch.zeros_like(local) for _ in range(world)]
+    dist.all_gather(table, local, group=group)
+    rows = [[int(v) for v in t.tolist()] for t in table]
+    failed = [i for i, r in enumerate(rows) if r[0] == _FAILED]
+    if failed:
+        raise ValueError(
+            f"rank(s) {failed} could not probe their shard of the probe batch (their own error "
+            "says why): every rank leaves this probe"
+        )
+    if len({(r[1], r[2]) for r in rows}) != 1:
+        raise ValueError(
+            "ranks disagree on the probe: (probed parameter elements, samples) per rank = "
+            f"{[(r[1], r[2]) for r in rows]}; every rank must pass the same delta and samples"
+        )
+    return [r[0] for r in rows]
+
+
+def all_reduce_gradients(
+    grads: Mapping[str, Tensor], group: ProcessGroup = None
+) -> dict[str, Tensor]:
+    """Sum over the ranks of a dict of per-sample gradients, one all-reduce per dtype.
+
+    Args:
+        grads: name -> ``(S, *shape)`` gradients (any leading sample count ``S``).
+        group: the process group.
+
+    Returns:
+        The summed gradients, same names and shapes. Names are laid out sorted, so every rank
+        packs its buffer identically whatever the order of its dict.
+    """
+    names = sorted(grads)
+    by_dtype: dict[torch.dtype, list[str]] = {}
+    for n in names:
+        by_dtype.setdefault(grads[n].dtype, []).append(n)
+    out: dict[str, Tensor] = {}
+    for members in by_dtype.values():
+        lead = grads[members[0]].shape[0]
+        flat = torch.cat([grads[n].detach().reshape(lead, -1) for n in members], dim=1)
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+        widths = [grads[n][0].numel() for n in members]
+        for n, piece in zip(members, torch.split(flat, widths, dim=1), strict=True):
+            out[n] = piece.reshape(grads[n].shape)
+    return {n: out[n] for n in grads}
+
+
+@dataclass(frozen=True)
+class DataParallelReduction:
+    """The :class:`~fslr_func.probe.sampling.GradientReduction` of a data-parallel probe.
+
+    Rank ``r`` probes its shard of the batch with the slice
+    ``omega[offset_r : offset_r + M_r]`` of every global omega (``omega_draw="global"``) or
+    an independent draw of ``M_r`` entries from a generator seeded per rank (``"local"``),
+    scaled by the global ``1/sqrt(M)``; the per-sample gradients are then summed over ranks.
+
+    Attributes:
+        group: the process group; ``None``: the default group.
+        omega_draw: ``"global"`` or ``"local"``.
+
+    Raises:
+        ValueError: an unknown ``omega_draw``.
+    """
+
+    group: ProcessGroup = field(default=None)
+    omega_draw: OmegaDraw = "global"
+
+    def __post_init__(self) -> None:
+        if self.omega_draw not in OMEGA_DRAWS:
+            raise ValueError(
+                f"unknown omega_draw {self.omega_draw!r}; choose one of {', '.join(OMEGA_DRAWS)}"
+            )
+
+    def omega_slice(
+        self,
+        num_outputs: int,
+        delta: Mapping[str, Tensor],
+        samples: int,
+        generator: torch.Generator | None,
+    ) -> OmegaSlice:
+        """Gather every rank's output size (checking that ranks agree) and place this rank."""
+        rank, _ = rank_and_size(self.group)
+        num_params = sum(d.numel() for d in delta.values())
+        sizes = _gather_layout(num_outputs, num_params, samples, self.group)
+        offset, total = omega_span(sizes, rank)
+        if self.omega_draw == "global":
+            return OmegaSlice(generator, total, offset, total)
+        # One draw from the shared generator (same on every rank), then a generator per rank.
+        seed = int(torch.randint(0, 2**62, (), generator=generator).item())
+        own = torch.Generator(device=generator.device if generator is not None else "cpu")
+        own.manual_seed(seed + rank)
+        return OmegaSlice(own, num_outputs, 0, total)
+
+    def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
+        """One all-reduce (sum) per dtype of the chunk's per-sample gradients."""
+        return all_reduce_gradients(grads, self.group)
+
+    def abort(self, delta: Mapping[str, Tensor], samples: int) -> None:
+        """Join the other ranks' layout gather as a rank that cannot probe, so that they raise
+        instead of waiting; this rank then raises its own error (the caller re-raises it)."""
+        num_params = sum(d.numel() for d in delta.values())
+        with contextlib.suppress(ValueError):
+            _gather_layout(_FAILED, num_params, samples, self.group)
+
+
+def probe(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    *,
+    group: ProcessGroup = None,
+    omega_draw: OmegaDraw = "global",
+    generator: torch.Generator | None = None,
+    params: Mapping[str, Tensor] | None = None,
+    **options: Unpack[ProbeKwargs],
+) -> ProbeResult:
+    r"""Data-parallel :func:`fslr_func.probe.sampling.probe`: the statistics of the global batch.
+
+    Must be called on every rank of ``group`` with the same ``delta`` (names and shapes),
+    ``samples`` and ``chunk_size``; ``inputs`` is the rank's shard (shards may differ in size).
+    Rank ``r`` applies its vjp to :math:`\omega_r / \sqrt{M}`, ``M`` the global number of
+    output elements; the per-sample gradients are summed over ranks (all-reduce) before
+    ``Z = dW * g`` is reduced to statistics, which are therefore identical on every rank.
+
+    Args:
+        model: any module, a ``DistributedDataParallel``/``DataParallel`` wrapper (unwrapped),
+            or an FSDP2 (``fully_shard``) module, whose parameters are all-gathered for the
+            probe (:func:`fslr_func.parallel.fsdp.gathered`).
+        inputs: this rank's shard of the probe batch (batch-first, so that concatenating the
+            ranks' flattened outputs in rank order gives the global batch's flattened output).
+        delta: parameter name -> unit-learning-rate update (the same on every rank under DDP;
+            under FSDP2 each rank's DTensor shards of it).
+        group: the process group; ``None``: the default group.
+        omega_draw: ``"global"`` (each rank draws the full vector and keeps its slice: equal to
+            the single-process probe of the concatenated batch) or ``"local"`` (each rank draws
+            only its slice from a per-rank generator: cheaper, same distribution).
+        generator: draws omega; seed it identically on every rank for ``omega_draw="global"``.
+        params: values to evaluate the gradient at (DTensor shards under FSDP2); defaults to
+            the module's parameters.
+        **options: the probe's options (:class:`~fslr_func.probe.options.ProbeOptions`); here
+            ``chunk_size`` is also the number of samples per all-reduce, and peak memory holds
+            ``chunk_size`` gradients (and their all-reduce buffer).
+
+    Returns:
+        A :class:`fslr_func.probe.sampling.ProbeResult`; ``num_outputs`` is the global ``M``.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: invalid options, or ranks that disagree on ``delta`` or ``samples``.
+    """
+    opts = ProbeOptions(**options)
+    reduction = DataParallelReduction(group, omega_draw)
+    rank_and_size(group)
+    inner = unwrap(model)
+    with gathered(inner, delta, params) as (full_delta, rest):
+        return run_probe(
+            inner,
+            inputs,
+            full_delta,
+            opts,
+            generator=generator,
+            params=rest,
+            reduction=reduction,
+        )
+
+
+def estimate(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    *,
+    estimator: Estimator = "kron",
+    group: ProcessGroup = None,
+    omega_draw: OmegaDraw = "global",
+    generator: torch.Generator | None = None,
+    params: Mapping[str, Tensor] | None = None,
+    **options: Unpack[ProbeKwargs],
+) -> dict[str, Tensor]:
+    """Data-parallel :func:`fslr_func.estimate`: FSLRs of the global batch, on every rank.
+
+    Call it on every rank with the rank's shard of the probe batch; see :func:`probe` for the
+    arguments. With ``omega_draw="global"`` and the same ``generator`` seed on every rank the
+    result equals ``fslr_func.estimate`` on the concatenated batch (float rounding aside).
+
+    Returns:
+        Tensor name -> float64 scalar FSLR, identical on every rank.
+    """
+    check_estimator(estimator)
+    result = probe(
+        model,
+        inputs,
+        delta,
+        group=group,
+        omega_draw=omega_draw,
+        generator=generator,
+        params=params,
+        **options,
+    )
+    return result.fslr(estimator)

@@ -1,0 +1,112 @@
+"""The wrapper of a data-parallel or FSDP2 model: :class:`DistributedFSLRModule`.
+
+Its probes go through :class:`~fslr_func.parallel.data_parallel.DataParallelReduction`, so
+every rank gets the estimates of the global probe batch (the math: :mod:`fslr_func.distributed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+from torch.nn.parallel import DistributedDataParallel
+
+from ..parallel.data_parallel import (
+    DataParallelReduction,
+    OmegaDraw,
+    is_data_parallel,
+    unwrap,
+)
+from ..parallel.fsdp import gathered, is_fully_sharded
+from ..parallel.process_group import ProcessGroup, broadcast_seed
+from ..probe.functional import Inputs
+from .wrapper import FSLRModule
+
+__all__ = ["DistributedFSLRModule"]
+
+
+class DistributedFSLRModule(FSLRModule):
+    """:class:`~fslr_func.training.wrapper.FSLRModule` for data-parallel and FSDP2 training.
+
+    Built by :func:`fslr_func.with_fslr` when it is given a ``DistributedDataParallel`` module,
+    an FSDP2 (``fully_shard``) module or ``distributed=True``. A DDP (or ``DataParallel``)
+    wrapper is unwrapped: ``fm.module`` is the inner model (so names, ``state_dict`` keys and
+    FSLR keys are the single-process ones), ``fm.ddp`` is the wrapper, and ``fm(x)`` runs the
+    wrapper's forward (gradients stay synchronised). The other order works too:
+    ``DDP(with_fslr(model, distributed=True))``. An FSDP2 module is ``fm.module`` itself (its
+    parameter names are the unsharded model's) and runs its own forward.
+
+    With ``distributed=True`` every probe goes through the data-parallel reduction
+    (:class:`DataParallelReduction` over ``group``); the omega generator is seeded with rank
+    0's ``seed`` on every rank, so the estimates equal the single-process ones on the
+    concatenated probe batch. Under FSDP2 each probe first all-gathers the parameters and the
+    update (:func:`fslr_func.parallel.fsdp.gathered`). With ``distributed=False`` each rank probes
+    only its shard (estimates then differ across ranks); an FSDP2 module refuses it.
+
+    Raises:
+        ValueError: ``distributed=False`` for an FSDP2 module.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        distributed: bool | None = True,
+        group: ProcessGroup = None,
+        omega_draw: OmegaDraw = "global",
+        seed: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        sharded = is_fully_sharded(model)
+        if distributed is None:
+            distributed = isinstance(model, DistributedDataParallel) or sharded
+        if sharded and not distributed:
+            raise ValueError(
+                "an FSDP2 (fully_shard) model is probed across its ranks: distributed=False "
+                "is not supported for it (leave distributed=None)"
+            )
+        reduction = DataParallelReduction(group, omega_draw) if distributed else None
+        if distributed:
+            seed = broadcast_seed(seed, group)
+        super().__init__(unwrap(model), seed=seed, reduction=reduction, **kwargs)
+        # A plain attribute, not a submodule: parameters, state_dict keys and FSLR names stay
+        # the inner model's.
+        self._wrapper = (model,) if is_data_parallel(model) else ()
+        self.distributed = bool(distributed)
+        self.group = group
+        self.omega_draw = omega_draw
+
+    @property
+    def ddp(self) -> nn.Module | None:
+        """The data-parallel wrapper given to :func:`fslr_func.with_fslr`, or ``None``."""
+        return self._wrapper[0] if self._wrapper else None
+
+    def fold(
+        self,
+        inputs: Inputs | list[Inputs],
+        delta: Mapping[str, Tensor],
+        *,
+        params: Mapping[str, Tensor] | None = None,
+        step: int | None = None,
+        strict: bool = False,
+        changed: Mapping[str, Tensor] | None = None,
+    ) -> None:
+        """:meth:`FSLRModule.fold`, on parameters and update all-gathered under FSDP2.
+
+        Every rank must call it (under FSDP2 the all-gathers, and in every distributed probe
+        the all-reduces, are collectives); ``measure`` and ``observe`` go through it.
+        """
+        with gathered(self.module, delta, params) as (full_delta, rest):
+            super().fold(inputs, full_delta, params=rest, step=step, strict=strict, changed=changed)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """The data-parallel wrapper's forward (or the model's if it was not wrapped)."""
+        return (self.module if self.ddp is None else self.ddp)(*args, **kwargs)
+
+    def train(self, mode: bool = True) -> DistributedFSLRModule:
+        """Set training mode on the module and on the wrapper."""
+        super().train(mode)
+        if self.ddp is not None:
+            self.ddp.train(mode)
+        return self
