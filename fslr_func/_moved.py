@@ -34,7 +34,7 @@ MOVED: dict[str, str] = {
     "fslr_func.atomic": "fslr_func.io.atomic",
     "fslr_func.cli": "fslr_func.experiments.cli",
     "fslr_func.connectivity": "fslr_func.probe.connectivity",
-    "fslr_func.control_options": "fslr_func.training.control_options",
+    "fslr_func.control_options": "fslr_func.training.controller",
     "fslr_func.estimator": "fslr_func.stats.estimator",
     "fslr_func.fallback": "fslr_func.probe.fallback",
     "fslr_func.flerm": "fslr_func.training.flerm",

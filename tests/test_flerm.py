@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import re
@@ -581,3 +582,65 @@ def test_examples_run(name: str, monkeypatch: pytest.MonkeyPatch, capsys: Any) -
     runpy.run_path(str(path), run_name="__main__")
     out = capsys.readouterr().out
     assert "best lr" in out and "FLeRM" in out and "nan" not in out
+
+
+def _recorded_under_flerm(order: str) -> tuple[FSLRRecord, list[dict[str, float]]]:
+    """A FLeRM-driven run recorded by a Recorder on the same wrapper, FLeRM and the Recorder
+    nested or attached in the order named; returns the record and FLeRM's rates per step."""
+    torch.manual_seed(0)
+    base_fm = ff.with_fslr(ResMLP(D_IN, CLASSES, width=8, depth=2), samples=4, seed=0)
+    base_opt = torch.optim.Adam(base_fm.parameters(), lr=LR0)
+    base = Recorder(base_fm, stream(1), optimizer=base_opt, warmup_samples=8)
+    train(
+        base_fm,
+        data(0, 3),
+        base_opt,
+        3,
+        nn.functional.cross_entropy,
+        around_step=lambda t: base.step(),
+    )
+    torch.manual_seed(0)
+    fm = ff.with_fslr(ResMLP(D_IN, CLASSES, width=32, depth=2), samples=4, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=LR0)
+    rates: list[dict[str, float]] = []
+    flerm = FLeRM(
+        fm, opt, base.record, probe_batches=stream(2), warmup_samples=8,
+        log_fn=lambda t, s: rates.append({k[9:]: v for k, v in s.items() if "flerm_lr/" in k}),
+    )  # fmt: skip
+    rec = Recorder(fm, stream(3), optimizer=opt, warmup_samples=8, every=1, start_step=1)
+    hooks = []
+    if order.startswith("attach"):
+        first, second = (flerm, rec) if order == "attach-flerm-first" else (rec, flerm)
+        hooks = [first.attach(), second.attach()]
+    for x, y in data(4, 5):
+        opt.zero_grad()
+        nn.functional.cross_entropy(fm(x), y).backward()
+        with contextlib.ExitStack() as stack:
+            if order == "flerm-outside":
+                stack.enter_context(flerm.step())
+                stack.enter_context(rec.step())
+            elif order == "flerm-inside":
+                stack.enter_context(rec.step())
+                stack.enter_context(flerm.step())
+            opt.step()
+    for h in hooks:
+        h.detach()
+    return rec.record, rates
+
+
+def test_a_recorder_of_a_flerm_run_records_flerms_rates_in_any_order() -> None:
+    """The rates recorded are FLeRM's, as applied; the unit-rate FSLRs are those of the step's
+    direction, whether the Recorder measured the update before or after FLeRM scaled it."""
+    records = {}
+    for order in ("flerm-outside", "flerm-inside", "attach-flerm-first", "attach-recorder-first"):
+        record, rates = _recorded_under_flerm(order)
+        assert record.steps == [1, 2, 3, 4]
+        assert len(set(rates[1].values())) > 1  # per-tensor rates, not the group's
+        for row, step in enumerate(record.steps):
+            recorded = {n: record.lrs[n][row] for n in record.names}
+            assert recorded == pytest.approx(rates[step], rel=1e-12), (order, step)
+        records[order] = record
+    first = records["flerm-outside"]
+    for order, record in records.items():
+        for n in first.names:
+            assert record.fslr[n] == pytest.approx(first.fslr[n], rel=1e-4), (order, n)

@@ -12,8 +12,9 @@ import torch
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.io.record import FSLRRecord
-from fslr_func.training.recorder import ProbeFeed, ProbePlan, Recorder, grouping_meta
+from fslr_func.io.record import FSLRRecord, grouping_meta
+from fslr_func.training.probe_schedule import ProbeFeed, ProbePlan
+from fslr_func.training.recorder import Recorder
 from fslr_func.training.wrapper import Measurement
 
 

@@ -118,7 +118,7 @@ def test_base_schedule_is_followed_continuously_not_as_a_staircase() -> None:
             opt2.step()
     ratios = flerm.ratios
     for t in (5, 10, 17, 30):
-        lrs = flerm._rates(flerm._rates_at(t))  # the rates FLeRM applies at step t
+        lrs = {n: rate for n, (_, rate) in flerm._rates_at(t).items()}  # FLeRM's rates at t
         for n, r in ratios.items():
             assert math.isclose(lrs[n], flerm.lr0 * true[t] * r, rel_tol=1e-12)
     # a record without per-step ratios (older files) is interpolated between its rows

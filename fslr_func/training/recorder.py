@@ -16,13 +16,12 @@ fresh batches (``S`` omega samples per probe; the paper uses 40 samples), then o
 
 Example:
     >>> import torch, fslr_func as ff
-    >>> from fslr_func.training.recorder import Recorder
     >>> _ = torch.manual_seed(0)
     >>> fm = ff.with_fslr(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
     ...                                       torch.nn.Linear(8, 3)), samples=4, seed=0)
     >>> opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
     >>> probes = [torch.randn(16, 4) for _ in range(4)]  # a re-iterable is cycled if need be
-    >>> rec = Recorder(fm, probes, optimizer=opt, warmup_samples=8, every=5)
+    >>> rec = ff.Recorder(fm, probes, optimizer=opt, warmup_samples=8, every=5)
     >>> for t in range(11):
     ...     opt.zero_grad()
     ...     fm(torch.randn(16, 4)).square().mean().backward()
@@ -36,10 +35,9 @@ Example:
 
 from __future__ import annotations
 
-import contextlib
 import math
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -48,18 +46,11 @@ from ..io.record import FSLRRecord, grouping_meta, optimizer_meta
 from ..io.record_meta import is_learning_rate
 from ..probe.functional import Inputs
 from ..probe.names import unwrapped
-from .control_options import check_log_fn, check_scheduler, check_state, optimizers_of
-from .probe_schedule import ProbeFeed, ProbePlan
-from .step_hooks import StepHooks
-from .update_scaling import group_lr
-from .wrapper import FSLRModule, Measurement, param_lrs
+from .controller import LogFn, StepController
+from .rates import group_lr, rates_in_force, when_final
+from .wrapper import FSLRModule, Measurement
 
 __all__ = ["LogFn", "Recorder", "schedule_ratio"]
-
-_STATE_VERSION = 2
-
-LogFn = Callable[[int, dict[str, float]], None]
-"""``log_fn(step, scalars)``: receives named scalars (``fslr/<tensor>``...) at a step."""
 
 
 def schedule_ratio(
@@ -84,7 +75,7 @@ def schedule_ratio(
     return group_lr(group) / base_lr
 
 
-class Recorder:
+class Recorder(StepController):
     r"""Records a run's FSLRs into :attr:`record` from inside any training loop.
 
     Either attach it to the optimiser once, ``recorder.attach()`` (step hooks: every
@@ -97,7 +88,9 @@ class Recorder:
     :attr:`record`; on other steps it yields ``None``. The schedule ratio is stored at *every*
     step (``record.meta["sched_per_step"]``), so FLeRM follows the base schedule exactly.
 
-    Steps that cannot be measured are waited out: a probed step at which every learning rate
+    Under FLeRM (any nesting, or both attached) the rates recorded are FLeRM's, as applied
+    (:func:`~fslr_func.training.update_scaling.rates_in_force`). Steps that cannot be measured
+    are waited out: a probed step at which every learning rate
     is 0 (a warm-up from 0) or at which no parameter changed (a step skipped by a
     ``GradScaler``) moves its probes to the next step, with a note the first time. A tensor
     frozen, without a gradient or in a group at rate 0 at a probe keeps its previous estimate
@@ -138,6 +131,8 @@ class Recorder:
         ValueError: an invalid option (named).
     """
 
+    kind = "Recorder"
+
     def __init__(
         self,
         fm: FSLRModule,
@@ -152,34 +147,22 @@ class Recorder:
         meta: Mapping[str, Any] | None = None,
         log_fn: LogFn | None = None,
     ) -> None:
-        if not isinstance(fm, FSLRModule):
-            raise TypeError(f"fm must be a with_fslr(model) wrapper, got {type(fm).__name__}")
         if base_lr is not None and not is_learning_rate(base_lr):
             raise ValueError(f"base_lr must be None or a finite number > 0, got {base_lr!r}")
-        if not isinstance(probe_batches, Iterable):
-            raise TypeError(
-                "probe_batches must be an iterable of probe inputs (a DataLoader, a list, a "
-                f"generator), got {type(probe_batches).__name__}"
-            )
         if meta is not None and not isinstance(meta, Mapping):
             raise TypeError(f"meta must be a dict of JSON-able entries, got {type(meta).__name__}")
-        self.fm = fm
-        self.optimizers = optimizers_of(optimizer)
-        self.plan = ProbePlan.of(warmup_samples, fm.samples, every, start_step)
-        self.scheduler = check_scheduler(scheduler, self.optimizers)
-        self.log_fn = check_log_fn(log_fn)
-        self._feed = ProbeFeed(probe_batches)
-        self.t = 0
-        self._owed = 0
-        self._noted: set[str] = set()
-        self._config = {
-            "warmup_samples": warmup_samples,
-            "every": every,
-            "start_step": start_step,
-            "base_lr": base_lr,
-            "scheduler": None if scheduler is None else type(self.scheduler).__name__,
-        }
-        self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.probe.names)
+        super().__init__(
+            fm,
+            probe_batches,
+            optimizer,
+            warmup_samples=warmup_samples,
+            every=every,
+            start_step=start_step,
+            scheduler=scheduler,
+            log_fn=log_fn,
+            config={"base_lr": base_lr},
+        )
+        self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.names)
         shapes = {
             n.removeprefix(self._prefix): list(p.shape)
             for n, p in fm.module.named_parameters()
@@ -202,47 +185,15 @@ class Recorder:
                 **(meta or {}),
             }
         )
+        self._sched = 1.0
+        self._stepping: list[torch.optim.Optimizer] = []
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
         """The (first) optimiser given at construction, or ``None``."""
         return self.optimizers[0] if self.optimizers else None
 
-    @property
-    def probes_used(self) -> int:
-        """Probe batches drawn so far."""
-        return self._feed.used
-
-    def attach(self) -> StepHooks:
-        """Record every ``optimizer.step()`` from now on, through the optimiser's step hooks.
-
-        Returns:
-            The :class:`~fslr_func.training.step_hooks.StepHooks`; ``.detach()`` (or a ``with``
-            block over it) removes them.
-
-        Raises:
-            ValueError: the Recorder was built without an optimiser.
-        """
-        if not self.optimizers:
-            raise ValueError("Recorder.attach() needs the optimiser: build it with optimizer=opt")
-        return StepHooks(self.step, self.optimizers)
-
-    @contextlib.contextmanager
-    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Measurement | None]:
-        """Context manager around one ``optimizer.step()``; records on probed steps.
-
-        Args:
-            optimizer: the optimiser stepped in the block; default: the one(s) given at
-                construction (passing that same one is fine too).
-
-        Raises:
-            ValueError: no optimiser here or at construction, or another one than that.
-
-        Yields:
-            The step's :class:`~fslr_func.training.wrapper.Measurement` (filled in on exit) on a
-            probed step, else ``None``.
-        """
-        optimizers = self._optimizers(optimizer)
+    def _prepare(self, optimizers: list[torch.optim.Optimizer]) -> None:
         meta = self.record.meta
         if meta["optimizer"] is None:
             described = optimizer_meta(optimizers[0])
@@ -250,25 +201,14 @@ class Recorder:
             meta["optimizer_hparams"] = described["optimizer_hparams"]
             if meta["base_lr"] is None:
                 meta["base_lr"] = self._first_lr(described["base_lr"])
-        sched = schedule_ratio(optimizers[0], self.scheduler, float(meta["base_lr"]))
-        meta["sched_per_step"][self.t :] = [sched]
-        n = max(self.plan.probes_at(self.t), self._owed)
-        lrs = {k: lr for o in optimizers for k, lr in param_lrs(self.fm.module, o).items()}
-        if n and not any(lrs.values()):
-            self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
-            n = 0
-        if n == 0:
-            yield None
-            self.t += 1
-            return
-        with self.fm.measure(optimizers, self._feed.take(n), step=self.t) as m:
-            yield m
-        if m.moved:
-            self._owed = 0
-            self._append(self.t, m, lrs, sched)
-        else:
-            self._defer(n, "no parameter changed (a step skipped by a GradScaler?)")
-        self.t += 1
+        self._sched = schedule_ratio(optimizers[0], self.scheduler, float(meta["base_lr"]))
+        meta["sched_per_step"][self.t :] = [self._sched]
+        self._stepping = optimizers
+
+    def _measured(self, m: Measurement) -> None:
+        step, sched, optimizers = self.t, self._sched, self._stepping
+        # the rates in force are final once FLeRM, if it drives this step, has finished it
+        when_final(optimizers, lambda: self._append(step, m, optimizers, sched))
 
     def _first_lr(self, lr: float | None) -> float:
         if lr is None or not is_learning_rate(lr):
@@ -278,38 +218,19 @@ class Recorder:
             )
         return lr
 
-    def _defer(self, n: int, why: str) -> None:
-        self._owed = n
-        self._note(
-            why,
-            f"Recorder: step {self.t} is not measured: {why}; its probes move to the next step "
-            "that changes the weights",
-        )
-
-    def _note(self, key: str, message: str) -> None:
-        if key not in self._noted:
-            self._noted.add(key)
-            warnings.warn(message, RuntimeWarning, stacklevel=5)
-
-    def _optimizers(self, given: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
-        if given is None:
-            if not self.optimizers:
-                raise ValueError(
-                    "Recorder.step() needs the optimiser: build the Recorder with optimizer=opt "
-                    "or call recorder.step(opt)"
-                )
-            return self.optimizers
-        (opt,) = optimizers_of(given)
-        if self.optimizers and opt not in self.optimizers:
-            raise ValueError(
-                "Recorder.step(optimizer) got another optimiser than the one the Recorder was "
-                "built with: record one optimiser per Recorder"
-            )
-        return [opt]
-
-    def _append(self, step: int, m: Measurement, lrs: Mapping[str, float], sched: float) -> None:
+    def _append(
+        self,
+        step: int,
+        m: Measurement,
+        optimizers: Sequence[torch.optim.Optimizer],
+        sched: float,
+    ) -> None:
         bare = self._prefix
-        lrs = {n.removeprefix(bare): lr for n, lr in lrs.items()}
+        lrs = {
+            n.removeprefix(bare): lr
+            for o in optimizers
+            for n, lr in rates_in_force(self.fm.module, o).items()
+        }
         names = self.record.names or list(lrs)
         reading = m.read()  # the row's one synchronisation
         values = {n.removeprefix(bare): v for n, v in reading.values.items()}
@@ -343,30 +264,9 @@ class Recorder:
         if self.log_fn is not None:
             self.log_fn(step, {f"fslr/{n}": v for n, v in fslr.items()})
 
-    def state_dict(self) -> dict[str, Any]:
-        """Step, record, options and probe-batch count, for checkpoints (with ``fm``'s)."""
-        return {
-            "version": _STATE_VERSION,
-            "config": dict(self._config),
-            "t": self.t,
-            "owed": self._owed,
-            "record": self.record.to_dict(),
-            "probes_used": self._feed.used,
-        }
+    def _own_state(self) -> dict[str, Any]:
+        return {"record": self.record.to_dict()}
 
-    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
-        """Restore :meth:`state_dict`; the probe iterable is fast-forwarded past used batches.
-
-        Args:
-            state: what :meth:`state_dict` returned.
-            strict: refuse a state saved by a Recorder with other options.
-
-        Raises:
-            ValueError: another version's state, or (``strict``) other options, named.
-        """
-        check_state(state, "Recorder", (1, _STATE_VERSION), self._config, strict)
-        self.t = int(state["t"])
-        self._owed = int(state.get("owed", 0))
+    def _load_own_state(self, state: Mapping[str, Any]) -> None:
         self.record = FSLRRecord.from_dict(state["record"], source="the Recorder state")
         self.record.meta.setdefault("sched_per_step", [])
-        self._feed.skip(int(state["probes_used"]))

@@ -23,7 +23,13 @@ untouched. With parameters in bfloat16 or float16 the scaled step is exact up to
 parameter's rounding of the optimiser's own step.
 
 Optimisers for which this is not the step at :math:`\eta_W` are refused by
-:func:`check_scalable` with the reason and what to use instead.
+:func:`check_scalable` with the reason and what to use instead. :class:`UpdateScaler` is
+FLeRM's whole contact with an optimiser: the groups' rates, the snapshot before a step and the
+scaling after it.
+
+Since the optimiser's groups keep their own rates, the factors applied are published per
+optimiser (:mod:`fslr_func.training.rates`), where whatever else needs a tensor's rate reads
+them.
 
 Example:
     >>> import torch
@@ -39,15 +45,15 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 import torch
 from torch import Tensor
 
 from ..probe.functional import is_dtensor
+from .rates import Scaling, group_lr, scaling_registry
 
-__all__ = ["check_scalable", "group_lr", "scale_updates", "snapshot"]
+__all__ = ["UpdateScaler", "check_scalable", "scale_updates", "snapshot"]
 
 # Optimisers whose step is not proportional to their learning rate, by (module prefix, class).
 _NOT_PROPORTIONAL: dict[tuple[str, str], str] = {
@@ -115,17 +121,6 @@ def check_scalable(optimizer: torch.optim.Optimizer) -> None:
             )
 
 
-def group_lr(group: dict[str, Any]) -> float:
-    """A param group's learning rate as a Python float (a tensor rate is read once).
-
-    Example:
-        >>> group_lr({"lr": torch.tensor(0.5)})
-        0.5
-    """
-    lr = group["lr"]
-    return float(lr.item() if isinstance(lr, Tensor) else lr)
-
-
 def snapshot(params: Sequence[Tensor], into: Sequence[Tensor] | None = None) -> list[Tensor]:
     """Copies of ``params`` before a step (what :func:`scale_updates` scales from).
 
@@ -166,3 +161,121 @@ def _local(tensors: Sequence[Tensor]) -> list[Tensor]:
     """The tensors' data, an FSDP2 shard's local tensor for a DTensor (every operation here is
     elementwise, so each rank scales its own shard)."""
     return [t.detach().to_local() if is_dtensor(t) else t.detach() for t in tensors]  # type: ignore[attr-defined]
+
+
+class UpdateScaler:
+    """FLeRM's contact with one optimiser: the groups' rates before a step, the snapshot of
+    the tensors whose rate differs from their group's, and the scaling after the step.
+
+    Args:
+        optimizer: the (unwrapped) optimiser; refused by :func:`check_scalable` if its step
+            is not proportional to its rate.
+
+    Raises:
+        ValueError: see :func:`check_scalable`.
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.SGD([w], lr=0.1)
+        >>> scaler = UpdateScaler(opt)
+        >>> rates = {"w": (0.1, 0.3)}              # group rate 0.1, FLeRM's rate 0.3
+        >>> scaler.begin({"w": w}, rates)
+        >>> before = scaler.snapshot({"w": w}, rates)
+        >>> w.grad = torch.ones(2)
+        >>> opt.step()
+        >>> scaler.end({"w": w}, rates, before)
+        >>> w.detach()
+        tensor([0.7000, 0.7000])
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        check_scalable(optimizer)
+        self.optimizer = optimizer
+        self.scaling = scaling_registry().setdefault(optimizer, Scaling())
+        self._buffers: dict[str, Tensor] = {}  # snapshots, reused step to step
+
+    def held(self, scheduled: bool) -> set[int]:
+        """``id`` of every parameter the optimiser holds (param groups added since included).
+
+        Args:
+            scheduled: the run's own scheduler drives the schedule: every group gets an
+                ``initial_lr`` (its current rate where none is set: ``ReduceLROnPlateau``).
+        """
+        if scheduled:
+            for g in self.optimizer.param_groups:
+                g.setdefault("initial_lr", g["lr"])
+        return {id(p) for g in self.optimizer.param_groups for p in g["params"]}
+
+    def schedules(self, name_of: Mapping[int, str]) -> dict[str, tuple[float, float]]:
+        """Per named parameter the optimiser holds: its group's rate and that rate's ratio to
+        the group's ``initial_lr`` (0 where the initial rate is 0 or absent)."""
+        out: dict[str, tuple[float, float]] = {}
+        for g in self.optimizer.param_groups:
+            lr = group_lr(g)
+            initial = group_lr({"lr": g["initial_lr"]}) if "initial_lr" in g else 0.0
+            for p in g["params"]:
+                if id(p) in name_of:
+                    out[name_of[id(p)]] = (lr, lr / initial if initial else 0.0)
+        return out
+
+    def begin(self, params: Mapping[str, Tensor], rates: Mapping[str, tuple[float, float]]) -> None:
+        """Before the step: open it and publish its factors (final unless a set point changes
+        them before :meth:`end`).
+
+        Args:
+            params: name -> parameter.
+            rates: name -> (group rate, FLeRM's rate) at this step.
+        """
+        self.scaling.waiting.clear()  # what waited on a step that raised
+        self.scaling.open = True
+        self._publish(params, rates)
+
+    def snapshot(
+        self, params: Mapping[str, Tensor], rates: Mapping[str, tuple[float, float]]
+    ) -> dict[str, Tensor]:
+        """Copies of the tensors whose rate differs from their group's, in buffers kept from
+        step to step (no allocation per step)."""
+        names = [n for n, (lr, rate) in rates.items() if rate != lr]
+        tensors = [params[n].detach() for n in names]
+        for n, p in zip(names, tensors, strict=True):
+            kept = self._buffers.get(n)
+            if kept is None or (kept.shape, kept.dtype, kept.device) != (
+                p.shape,
+                p.dtype,
+                p.device,
+            ):
+                self._buffers[n] = torch.empty_like(p)
+        return dict(
+            zip(names, snapshot(tensors, into=[self._buffers[n] for n in names]), strict=True)
+        )
+
+    def end(
+        self,
+        params: Mapping[str, Tensor],
+        rates: Mapping[str, tuple[float, float]],
+        before: Mapping[str, Tensor],
+    ) -> None:
+        """After the step: scale each update to FLeRM's rate, publish the final factors and
+        close the step.
+
+        Args:
+            params: name -> parameter.
+            rates: name -> (group rate, FLeRM's rate), final for this step (after a set point).
+            before: the tensors before the step (:meth:`snapshot`, or a measured step's copies).
+        """
+        names = [n for n in before if n in rates and rates[n][1] != rates[n][0]]
+        scale_updates(
+            [params[n] for n in names],
+            [before[n] for n in names],
+            [rates[n][1] / rates[n][0] for n in names],
+        )
+        self._publish(params, rates)
+        self.scaling.applied += 1
+        self.scaling.close()
+
+    def _publish(
+        self, params: Mapping[str, Tensor], rates: Mapping[str, tuple[float, float]]
+    ) -> None:
+        self.scaling.factors = {
+            id(params[n]): rate / lr for n, (lr, rate) in rates.items() if lr and rate != lr
+        }

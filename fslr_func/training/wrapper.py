@@ -24,16 +24,14 @@ Example:
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from ..probe.functional import Inputs, check_single_process, is_dtensor, readout_module
-from ..probe.names import WRAPPER_PREFIXES, short_list, unwrapped
+from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
 from ..probe.sampling import GradientReduction, run_probe
 from ..stats.estimator import (
@@ -42,131 +40,19 @@ from ..stats.estimator import (
     Grouping,
     ReadoutRole,
     check_estimator,
-    fslr_from_log,
     log_sq_norm,
     mean_valid_log_stats,
 )
+from .measurement import Measurement, Reading, read_estimates
+from .rates import ScaledSince, group_rates, rates_in_force
+from .wrapper_state import extra_state, load_bare, load_extra_state, save_bare
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
 
     from ..probe.options import ProbeKwargs
 
-__all__ = ["FSLRModule", "Measurement", "Reading", "param_lrs"]
-
-_STATE_VERSION = 3  # 3: tensor names are the bare model's (fslr_func.probe.names)
-_EXTRA = "_extra_state"
-_METADATA_KEY = "fslr_state"  # the wrapper's state, in the state dict's metadata
-
-
-def _renamed(state: Mapping[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
-    """The EMA's or readout roles' state with every per-tensor dict's names renamed."""
-    return {
-        k: {rename(n): x for n, x in v.items()} if isinstance(v, dict) else v
-        for k, v in state.items()
-    }
-
-
-def _save_bare(fm: FSLRModule, state: dict[str, Any], prefix: str, local: dict[str, Any]) -> None:
-    """State-dict post-hook: the model's keys without the wrapper prefixes, the wrapper's own
-    state in the metadata (where torch keeps module versions), so the bare model loads it."""
-    metadata = getattr(state, "_metadata", None)
-    if metadata is None:  # a destination without metadata: the wrapper's form, state as a key
-        return
-    inner = prefix + fm.wrapper_prefix
-    for key in [k for k in state if k.startswith(inner)]:
-        state[prefix + key[len(inner) :]] = state.pop(key)
-    local[_METADATA_KEY] = state.pop(prefix + _EXTRA)
-    for key in [k for k in metadata if k.startswith(prefix + WRAPPER_PREFIXES[1][:-1])]:
-        if key.startswith(inner):
-            metadata[prefix + key[len(inner) :]] = metadata.pop(key)
-        elif inner.startswith(key + "."):  # a wrapper's entry; the bare model's has its version
-            entry = metadata.pop(key)
-            if key == inner[:-1]:
-                local.update(entry)
-
-
-def _load_bare(
-    fm: FSLRModule, state: dict[str, Any], prefix: str, local: Mapping[str, Any], *_: Any
-) -> None:
-    """Load-state-dict pre-hook: bare keys back under the wrapper prefixes. A state dict with
-    the state as a key is in the wrapper's form already (saved before names were bare)."""
-    if prefix + _EXTRA in state:
-        return
-    state[prefix + _EXTRA] = local.get(_METADATA_KEY)  # None: a bare model's, kept as it is
-    inner = prefix + fm.wrapper_prefix
-    for key in [k for k in state if k.startswith(prefix) and k != prefix + _EXTRA]:
-        state[inner + key[len(prefix) :]] = state.pop(key)
-
-
-@dataclass
-class Measurement:
-    """One measured optimiser step, filled in when the ``measure`` block exits.
-
-    Attributes:
-        before: the trainable tensors before the step (name -> clone).
-        lrs: the learning rate of each tensor's param group at the step.
-        delta: the unit-learning-rate updates, ``(after - before) / lr``.
-        log_sq: the wrapper's log ``||Delta_W f||^2_RMS`` estimates after folding this
-            step's probes in, on the device (NaN: nothing valid measured yet).
-        folded: per tensor, how many of this step's probes were folded into its EMA (the
-            others were left out as not finite, or the tensor did not move), on the device.
-        changed: per tensor, whether the step changed it (a 0-d bool on the device). A tensor
-            the step left unchanged (no gradient, a step skipped by a ``GradScaler``) keeps
-            its EMA; read as :attr:`moved`.
-    """
-
-    before: dict[str, Tensor]
-    lrs: dict[str, float]
-    delta: dict[str, Tensor] = field(default_factory=dict)
-    log_sq: dict[str, Tensor] = field(default_factory=dict)
-    folded: dict[str, Tensor] = field(default_factory=dict)
-    changed: dict[str, Tensor] = field(default_factory=dict)
-    reader: Callable[[Measurement], Reading] | None = None
-    _reading: Reading | None = None
-
-    def read(self) -> Reading:
-        """This step's estimates on the host: one synchronisation, made once and kept."""
-        if self._reading is None:
-            if self.reader is None:
-                return Reading({}, {}, (), ())
-            self._reading = self.reader(self)
-        return self._reading
-
-    @property
-    def fslr(self) -> dict[str, Tensor]:
-        """The FSLR estimates after this step (float64 scalars), read as
-        :meth:`FSLRModule.fslr` reads them; tensors without a valid measurement are left out."""
-        return self.read().fslr
-
-    @property
-    def moved(self) -> tuple[str, ...]:
-        """The tensors the step changed (the others kept their estimates); empty: nothing
-        moved, as in a step skipped by a ``GradScaler``."""
-        return self.read().moved
-
-    @property
-    def left_out(self) -> tuple[str, ...]:
-        """Tensors that moved but none of whose probes at this step could be folded in (their
-        statistics were not finite)."""
-        return self.read().left_out
-
-
-@dataclass(frozen=True)
-class Reading:
-    """Estimates read on the host.
-
-    Attributes:
-        fslr: tensor name -> FSLR (float64 scalar), for the tensors with a valid measurement.
-        values: the same as Python floats (read in the same synchronisation).
-        moved: the tensors the step read changed (every tensor, outside a step).
-        left_out: tensors that moved but none of whose probes could be folded in.
-    """
-
-    fslr: dict[str, Tensor]
-    values: dict[str, float]
-    moved: tuple[str, ...]
-    left_out: tuple[str, ...]
+__all__ = ["FSLRModule", "Measurement", "Reading"]
 
 
 def _changed(delta: Tensor) -> Tensor:
@@ -174,23 +60,6 @@ def _changed(delta: Tensor) -> Tensor:
     answer is reduced over the ranks (a DTensor's ``full_tensor``), so every rank agrees."""
     flag = (delta != 0).any()
     return flag.full_tensor() if is_dtensor(flag) else flag  # type: ignore[attr-defined]
-
-
-def param_lrs(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
-    """Learning rate in force for each trainable named parameter the optimiser updates.
-
-    Works for any param-group layout; parameters the optimiser does not hold are left out.
-    """
-    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
-    lrs = {}
-    for group in optimizer.param_groups:
-        lr = group["lr"]
-        lr = float(lr.item() if isinstance(lr, Tensor) else lr)
-        for p in group["params"]:
-            name = names.get(id(p))
-            if name is not None:
-                lrs[name] = lr
-    return lrs
 
 
 class FSLRModule(nn.Module):
@@ -257,15 +126,15 @@ class FSLRModule(nn.Module):
         self._measuring = False
         self._strict_load = True
         self.probes = 0
-        self._reported: dict[str, int] = {}
+        self.reported: dict[str, int] = {}  # drops already warned about, per tensor
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
-        self.register_state_dict_post_hook(_save_bare)  # type: ignore[no-untyped-call]
-        self.register_load_state_dict_pre_hook(_load_bare)  # type: ignore[no-untyped-call]
+        self.register_state_dict_post_hook(save_bare)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_pre_hook(load_bare)  # type: ignore[no-untyped-call]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward, unchanged."""
@@ -401,18 +270,22 @@ class FSLRModule(nn.Module):
         if self._measuring:
             raise RuntimeError(
                 "fm.measure blocks cannot be nested: the outer block already measures this "
-                "optimiser step (with Recorder or FLeRM, do not also call fm.measure)"
+                "optimiser step (with Recorder or FLeRM, do not also call fm.measure; a Recorder "
+                "and FLeRM on one wrapper cannot both probe one step: start the Recorder after "
+                "FLeRM's set points, or record through a second with_fslr(model))"
             )
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-        held = {n: lr for o in optimizers for n, lr in param_lrs(self.module, o).items()}
+        held = {n: lr for o in optimizers for n, lr in group_rates(self.module, o).items()}
         if not held:
             raise ValueError(
                 "the optimiser updates none of the module's trainable parameters: build it "
                 "from fm.parameters()"
             )
         current = dict(self.module.named_parameters())
+        scaled = ScaledSince(optimizers)  # FLeRM scaling this step's update inside the block
         # A zero-size tensor moves nothing: it has no FSLR and is not probed.
-        lrs = {n: lr for n, lr in held.items() if lr != 0.0 and current[n].numel() > 0}
+        rates = {n: lr for o in optimizers for n, lr in rates_in_force(self.module, o).items()}
+        lrs = {n: lr for n, lr in held.items() if rates[n] != 0.0 and current[n].numel() > 0}
         if not lrs:
             raise ValueError(
                 "every learning rate is 0 at this step (a warm-up from 0?): there is no update "
@@ -426,6 +299,7 @@ class FSLRModule(nn.Module):
             yield m
         finally:
             self._measuring = False
+        m.lrs = lrs = {**lrs, **scaled.rates(self.module, lrs)}
         m.delta = {n: (current[n].detach() - before[n]) / lrs[n] for n in lrs}
         # Which tensors moved is decided on the device (reading it would synchronise every
         # step): an unchanged tensor's probe is computed but not folded in.
@@ -449,55 +323,10 @@ class FSLRModule(nn.Module):
         (every probe of them dropped) are left out, and probes dropped since the last read are
         reported in one warning naming the step and the tensors.
         """
-        return self._read(self.log_sq(), {}, {}).fslr
+        return read_estimates(self.log_sq(), self.ema, {}, {}, self.reported).fslr
 
     def _read_measurement(self, m: Measurement) -> Reading:
-        return self._read(m.log_sq, m.folded, m.changed)
-
-    def _read(
-        self,
-        log_sq: Mapping[str, Tensor],
-        folded: Mapping[str, Tensor],
-        changed: Mapping[str, Tensor],
-    ) -> Reading:
-        """``log_sq`` as FSLRs, after one synchronisation that finds and reports the drops."""
-        names = list(log_sq)
-        if not names:
-            return Reading({}, {}, tuple(changed), ())
-        rows = [
-            torch.stack(
-                [
-                    torch.isnan(log_sq[n]),
-                    self.ema.dropped[n],
-                    self.ema.last_dropped[n],
-                    folded[n] if n in folded else self.ema.counts[n],
-                    fslr_from_log(log_sq[n]),
-                    changed[n] if n in changed else torch.ones_like(self.ema.dropped[n]),
-                ]
-            ).to(torch.float64)
-            for n in names
-        ]
-        flags = torch.stack([r.to(rows[0].device) for r in rows]).tolist()
-        by_step: dict[int, list[str]] = {}
-        for n, (_, dropped, last, *_) in zip(names, flags, strict=True):
-            if dropped > self._reported.get(n, 0):
-                by_step.setdefault(int(last), []).append(n)
-            self._reported[n] = int(dropped)
-        if by_step:
-            listed = "; ".join(f"step {k}: {short_list(v)}" for k, v in sorted(by_step.items()))
-            warnings.warn(
-                f"fslr_func: probe statistics that were not finite (NaN or Inf: a NaN in the "
-                f"probe batch, an output that overflowed, or a diverged update) were left out "
-                f"of the FSLR averages ({listed}); those averages kept their previous values",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-        valid = [(n, row) for n, row in zip(names, flags, strict=True) if not row[0]]
-        fslr = {n: fslr_from_log(log_sq[n]) for n, _ in valid}
-        rows_of = dict(zip(names, flags, strict=True))
-        went = tuple(n for n in changed if rows_of[n][5])
-        left_out = tuple(n for n in went if rows_of[n][3] == 0)
-        return Reading(fslr, {n: row[4] for n, row in valid}, went, left_out)
+        return read_estimates(m.log_sq, self.ema, m.folded, m.changed, self.reported)
 
     def reset(self) -> None:
         """Forget the EMAs (e.g. after a change of model or task)."""
@@ -517,19 +346,9 @@ class FSLRModule(nn.Module):
         }
 
     def get_extra_state(self) -> dict[str, Any]:
-        """EMA, readout roles, omega generators and configuration, saved with ``state_dict``;
-        tensors under the bare model's names (as records have them)."""
-        return {
-            "version": _STATE_VERSION,
-            "config": self.config(),
-            "ema": _renamed(self.ema.state_dict(), lambda n: n.removeprefix(self.name_prefix)),
-            "readout_roles": {
-                n.removeprefix(self.name_prefix): r for n, r in self.readout_roles.items()
-            },
-            "generators": {k: g.get_state() for k, g in self.generators.items()},
-            "probes": self.probes,
-            "resolved_strategy": self.resolved_strategy,
-        }
+        """EMA, readout roles, omega generators and configuration, saved with ``state_dict``
+        (:mod:`fslr_func.training.wrapper_state`)."""
+        return extra_state(self)
 
     def set_extra_state(self, state: Any) -> None:
         """Restore what :meth:`get_extra_state` saved, after checking its configuration.
@@ -539,36 +358,7 @@ class FSLRModule(nn.Module):
                 another configuration (:meth:`config`), unless loaded with ``strict=False``
                 (the EMAs are then loaded as they are, under this wrapper's configuration).
         """
-        if state is None:  # a bare model's state dict: the wrapper's state stays as it is
-            return
-        if not isinstance(state, dict) or state.get("version") not in (1, 2, _STATE_VERSION):
-            raise ValueError("this FSLRModule state was saved by an incompatible fslr_func version")
-        saved = state.get("config", {})
-        differ = {
-            k: (v, saved[k]) for k, v in self.config().items() if k in saved and saved[k] != v
-        }
-        if differ and self._strict_load:
-            listed = "; ".join(
-                f"{k}: this wrapper {v!r}, saved {w!r}" for k, (v, w) in differ.items()
-            )
-            raise ValueError(
-                f"the FSLRModule state was saved with another configuration ({listed}): build "
-                f"the wrapper with the saved settings, or load with strict=False to keep this "
-                f"wrapper's settings and the saved averages"
-            )
-        prefix = self.name_prefix if state["version"] == _STATE_VERSION else ""
-        beta = self.beta
-        self.ema.load_state_dict(_renamed(state["ema"], lambda n: prefix + n))
-        self.ema.beta = beta
-        self.readout_roles = {prefix + n: r for n, r in state["readout_roles"].items()}
-        saved_generators = state.get("generators", {"cpu": state.get("generator")})
-        self.generators = {}
-        for key, generator_state in saved_generators.items():
-            if generator_state is not None:
-                self.generator_for(torch.device(key)).set_state(generator_state)
-        self.probes = int(state.get("probes", 0))
-        self._reported = {n: int(v) for n, v in self.ema.dropped.items()}
-        self.resolved_strategy = state.get("resolved_strategy", self.options.strategy)
+        load_extra_state(self, state, self._strict_load)
 
     def load_state_dict(
         self, state_dict: Mapping[str, Any], strict: bool = True, assign: bool = False

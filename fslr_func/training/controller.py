@@ -1,0 +1,400 @@
+r"""One probed training step at a time: the base of :class:`~fslr_func.training.recorder.Recorder`
+and :class:`~fslr_func.training.flerm.FLeRM`.
+
+Both controllers work around one ``optimizer.step()`` of a wrapped model
+(:func:`fslr_func.with_fslr`): before it they decide whether this step is probed (its
+:class:`~fslr_func.training.probe_schedule.ProbePlan`: an EMA warm-up of
+:math:`\lceil \text{warmup\_samples} / S \rceil` probes at ``start_step``, then one probe every
+``every`` steps), and if so they measure it (:meth:`FSLRModule.measure
+<fslr_func.training.wrapper.FSLRModule.measure>`) on fresh probe batches
+(:class:`~fslr_func.training.probe_schedule.ProbeFeed`); after it they act on the measurement
+(a record row, a FLeRM set point). :class:`StepController` holds everything that is the same
+for both, once:
+
+- the options, validated at construction (:func:`optimizers_of`, :func:`check_scheduler`,
+  :func:`check_log_fn`), and saved with the state, which :func:`check_state` compares on load;
+- the two forms of use, ``with controller.step(): optimizer.step()`` and
+  ``controller.attach()`` (the optimiser's step hooks, :mod:`fslr_func.training.step_hooks`);
+- the steps that cannot be measured, which are waited out: a probed step at which every
+  learning rate is 0 (a warm-up from 0) or at which no parameter changed (a step skipped by a
+  ``GradScaler``) owes its probes to the next step, with a note the first time;
+- warnings given once per cause, and the step counter and probe-batch count of the state.
+
+A subclass says what happens around the step through four hooks: :meth:`_prepare` (before,
+every step), :meth:`_plain` (a context around an unprobed step), :meth:`_measured` (after a
+probed step that moved the weights) and :meth:`_finish` (after, every step).
+
+Example:
+    >>> import torch, fslr_func as ff
+    >>> class Counter(StepController):
+    ...     kind = "Counter"
+    ...     def _measured(self, m):
+    ...         self.seen.append((self.t, sorted(m.read().values)))
+    >>> fm = ff.with_fslr(torch.nn.Linear(3, 2), samples=2, seed=0)
+    >>> opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    >>> ctl = Counter(fm, [torch.randn(4, 3)], opt, warmup_samples=2, every=2, start_step=0)
+    >>> ctl.seen = []
+    >>> for _ in range(3):
+    ...     fm(torch.randn(4, 3)).sum().backward()
+    ...     with ctl.step():
+    ...         opt.step()
+    >>> ctl.seen, ctl.t
+    ([(0, ['bias', 'weight']), (2, ['bias', 'weight'])], 3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from ..probe.functional import Inputs
+from .probe_schedule import ProbeFeed, ProbePlan
+from .rates import rates_in_force
+from .step_hooks import StepHooks, unwrap_optimizer, unwrap_scheduler
+from .wrapper import FSLRModule, Measurement
+
+__all__ = [
+    "LogFn",
+    "StepController",
+    "check_log_fn",
+    "check_scheduler",
+    "check_state",
+    "optimizers_of",
+]
+
+LogFn = Callable[[int, dict[str, float]], None]
+"""``log_fn(step, scalars)``: receives named scalars (``fslr/<tensor>``...) at a step."""
+
+_STATE_VERSION = 2
+
+
+def optimizers_of(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> list[torch.optim.Optimizer]:
+    """One optimiser, several, or none, as a list of unwrapped ``torch.optim`` optimisers.
+
+    Raises:
+        TypeError: something that is not an optimiser (the message says what was given).
+        ValueError: the same optimiser twice.
+
+    Example:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> optimizers_of(opt) == [opt], optimizers_of(None)
+        (True, [])
+    """
+    if optimizer is None:
+        return []
+    given = [optimizer] if not isinstance(optimizer, Sequence) else list(optimizer)
+    out = [unwrap_optimizer(o) for o in given]
+    for o in out:
+        if not isinstance(o, torch.optim.Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim optimiser or a list of them, got "
+                f"{type(o).__name__}"
+            )
+    if len({id(o) for o in out}) < len(out):
+        raise ValueError("the same optimiser is given twice: give each optimiser once")
+    return out
+
+
+def check_scheduler(scheduler: Any, optimizers: Sequence[torch.optim.Optimizer]) -> Any:
+    """The (unwrapped) scheduler, checked to schedule one of ``optimizers``.
+
+    Raises:
+        TypeError: not a ``torch.optim.lr_scheduler`` scheduler.
+        ValueError: a scheduler of another optimiser.
+    """
+    if scheduler is None:
+        return None
+    inner = unwrap_scheduler(scheduler)
+    if not isinstance(inner, torch.optim.lr_scheduler.LRScheduler):
+        raise TypeError(
+            "scheduler must be a torch.optim.lr_scheduler scheduler, got "
+            f"{type(scheduler).__name__}"
+        )
+    if optimizers and unwrap_optimizer(inner.optimizer) not in optimizers:
+        raise ValueError(
+            "scheduler must be a scheduler of this optimizer (the one given as optimizer=, "
+            "wrappers such as accelerate's AcceleratedOptimizer count as the optimiser inside)"
+        )
+    return inner
+
+
+def check_log_fn(log_fn: LogFn | None) -> LogFn | None:
+    """``log_fn`` itself, checked to be ``None`` or callable.
+
+    Raises:
+        TypeError: not callable.
+    """
+    if log_fn is not None and not callable(log_fn):
+        raise TypeError(
+            f"log_fn must be a callable log_fn(step, scalars) or None, got {type(log_fn).__name__}"
+        )
+    return log_fn
+
+
+def check_state(
+    state: Mapping[str, Any],
+    what: str,
+    versions: Sequence[int],
+    config: Mapping[str, Any],
+    strict: bool,
+) -> None:
+    """Check a saved state's version and, if ``strict``, that it was saved with ``config``.
+
+    Args:
+        state: the saved state (a dict with ``version`` and, from version 2, ``config``).
+        what: the class name, for messages.
+        versions: the state versions this class reads.
+        config: the loading object's options.
+        strict: compare the options; ``False`` loads a state of other options anyway.
+
+    Raises:
+        ValueError: an unreadable version, or the first option that differs.
+
+    Example:
+        >>> check_state({"version": 2, "config": {"every": 5}}, "FLeRM", (2,), {"every": 10},
+        ...             True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: this FLeRM state was saved with every=5, but this FLeRM has every=10: ...
+    """
+    if not isinstance(state, Mapping) or state.get("version") not in versions:
+        raise ValueError(f"this {what} state was saved by an incompatible fslr_func version")
+    saved = state.get("config")
+    if not strict or saved is None:
+        return
+    for key, value in config.items():
+        if key in saved and saved[key] != value:
+            raise ValueError(
+                f"this {what} state was saved with {key}={saved[key]!r}, but this {what} has "
+                f"{key}={value!r}: build it with the same options, or "
+                "load_state_dict(state, strict=False) to override"
+            )
+
+
+class StepController:
+    """Runs the probe schedule around one optimiser step at a time; see the module docstring.
+
+    Args:
+        fm: the wrapped model (:func:`fslr_func.with_fslr`).
+        probe_batches: probe inputs, separate from the training batches: an endless iterator
+            or a re-iterable such as a ``DataLoader`` (cycled).
+        optimizers: the optimiser(s) whose steps are controlled (``accelerate``'s and
+            Lightning's wrappers are unwrapped); empty: given to each :meth:`step`.
+        warmup_samples: omega samples of the EMA warm-up at ``start_step``.
+        every: probe once every ``every`` steps after the warm-up; ``None``: warm-up only.
+        start_step: the first probed step.
+        scheduler: a ``torch.optim.lr_scheduler`` scheduler of one of the optimisers, or
+            ``None``.
+        log_fn: ``log_fn(step, scalars)`` or ``None``.
+        config: the subclass's own options, saved with the state and compared on load.
+
+    Attributes:
+        t: index of the next training step.
+        plan: the :class:`~fslr_func.training.probe_schedule.ProbePlan`.
+
+    Raises:
+        TypeError: ``fm``, ``probe_batches``, an optimiser, ``scheduler`` or ``log_fn`` of the
+            wrong kind.
+        ValueError: an invalid option (named).
+    """
+
+    #: The controller's name in messages and saved states.
+    kind: ClassVar[str] = "StepController"
+    #: The note on a step that cannot be measured (``{t}``: the step, ``{why}``: the cause).
+    deferral: ClassVar[str] = (
+        "{kind}: step {t} is not measured: {why}; its probes move to the next step that "
+        "changes the weights"
+    )
+
+    def __init__(
+        self,
+        fm: FSLRModule,
+        probe_batches: Iterable[Inputs],
+        optimizers: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+        *,
+        warmup_samples: int,
+        every: int | None,
+        start_step: int,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        log_fn: LogFn | None = None,
+        config: Mapping[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(fm, FSLRModule):
+            raise TypeError(f"fm must be a with_fslr(model) wrapper, got {type(fm).__name__}")
+        if not isinstance(probe_batches, Iterable):
+            raise TypeError(
+                "probe_batches must be an iterable of probe inputs (a DataLoader, a list, a "
+                f"generator), got {type(probe_batches).__name__}"
+            )
+        self.fm = fm
+        self.optimizers = optimizers_of(optimizers)
+        self.plan = ProbePlan.of(warmup_samples, fm.samples, every, start_step)
+        self.scheduler = check_scheduler(scheduler, self.optimizers)
+        self.log_fn = check_log_fn(log_fn)
+        self._feed = ProbeFeed(probe_batches)
+        self.t = 0
+        self._owed = 0
+        self._noted: set[str] = set()
+        self._config: dict[str, Any] = {
+            "warmup_samples": warmup_samples,
+            "every": every,
+            "start_step": start_step,
+            **(config or {}),
+            "scheduler": None if scheduler is None else type(self.scheduler).__name__,
+        }
+
+    @property
+    def probes_used(self) -> int:
+        """Probe batches drawn so far."""
+        return self._feed.used
+
+    def attach(self) -> StepHooks:
+        """Run every ``optimizer.step()`` from now on through :meth:`step`, by the optimiser's
+        step hooks (any loop or framework: Hugging Face ``Trainer``, Lightning, a
+        ``GradScaler``, whose skipped steps call no hook).
+
+        Returns:
+            The :class:`~fslr_func.training.step_hooks.StepHooks`; ``.detach()`` (or a
+            ``with`` block over it) removes them.
+
+        Raises:
+            ValueError: the controller was built without an optimiser.
+        """
+        if not self.optimizers:
+            raise ValueError(
+                f"{self.kind}.attach() needs the optimiser: build it with optimizer=opt"
+            )
+        return StepHooks(self.step, self.optimizers)
+
+    @contextlib.contextmanager
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Measurement | None]:
+        """Context manager around one ``optimizer.step()`` (nothing else in the block).
+
+        Args:
+            optimizer: the optimiser stepped in the block; default: the one(s) given at
+                construction (passing that same one is fine too).
+
+        Yields:
+            The step's :class:`~fslr_func.training.wrapper.Measurement` (filled in on exit) on
+            a probed step, else ``None``.
+
+        Raises:
+            ValueError: no optimiser here or at construction, or another one than that.
+        """
+        optimizers = self._stepped(optimizer)
+        self._prepare(optimizers)
+        n = max(self.plan.probes_at(self.t), self._owed)
+        if n and not any(v for o in optimizers for v in rates_in_force(self.fm.module, o).values()):
+            self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
+            n = 0
+        if n:
+            with self.fm.measure(optimizers, self._feed.take(n), step=self.t) as m:
+                yield m
+            if m.moved:
+                self._owed = 0
+                self._measured(m)
+            else:
+                self._defer(n, "no parameter changed (a step skipped by a GradScaler?)")
+        else:
+            with self._plain():
+                yield None
+        self._finish()
+        self.t += 1
+
+    # ------------------------------------------------------------------ hooks of a subclass
+
+    def _prepare(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        """Before every step (default: nothing)."""
+
+    def _plain(self) -> contextlib.AbstractContextManager[None]:
+        """The context around an unprobed step (default: nothing)."""
+        return contextlib.nullcontext()
+
+    def _measured(self, m: Measurement) -> None:
+        """After a probed step that changed the weights (default: nothing)."""
+
+    def _finish(self) -> None:
+        """After every step, probed or not (default: nothing)."""
+
+    # ------------------------------------------------------------------ shared behaviour
+
+    def _stepped(self, given: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
+        """The optimisers of this step: the given one (which must be one of the controller's,
+        if it has any), else the controller's."""
+        if given is None:
+            if not self.optimizers:
+                raise ValueError(
+                    f"{self.kind}.step() needs the optimiser: build the {self.kind} with "
+                    "optimizer=opt or call step(opt)"
+                )
+            return self.optimizers
+        (opt,) = optimizers_of(given)
+        if self.optimizers and opt not in self.optimizers:
+            raise ValueError(
+                f"{self.kind}.step(optimizer) got another optimiser than the one the "
+                f"{self.kind} was built with: one {self.kind} per optimiser"
+            )
+        return [opt]
+
+    def _defer(self, n: int, why: str) -> None:
+        """Owe ``n`` probes to the next step that changes the weights."""
+        self._owed = n
+        self._note(why, self.deferral.format(kind=self.kind, t=self.t, why=why))
+
+    def _note(self, key: str, message: str) -> None:
+        """Warn ``message`` the first time ``key`` comes up."""
+        if key not in self._noted:
+            self._noted.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=5)
+
+    def _note_each(self, names: Sequence[str], message: str) -> None:
+        """Warn once per tensor: ``message`` with ``{}`` standing for the newly named ones."""
+        new = [n for n in names if n not in self._noted]
+        if new:
+            self._noted.update(new)
+            warnings.warn(message.format(new[:10]), RuntimeWarning, stacklevel=5)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> dict[str, Any]:
+        """Step, options, owed probes, probe-batch count and the subclass's state (save it with
+        the model, the optimiser and ``fm``)."""
+        return {
+            "version": _STATE_VERSION,
+            "config": dict(self._config),
+            "t": self.t,
+            "owed": self._owed,
+            "probes_used": self._feed.used,
+            "noted": sorted(self._noted),
+            **self._own_state(),
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any], strict: bool = True) -> None:
+        """Restore :meth:`state_dict`; the probe iterable is fast-forwarded past used batches.
+
+        Args:
+            state: what :meth:`state_dict` returned.
+            strict: refuse a state saved with other options (the first differing one named).
+
+        Raises:
+            ValueError: another version's state, or (``strict``) other options.
+        """
+        check_state(state, self.kind, (1, _STATE_VERSION), self._config, strict)
+        self._load_own_state(state)
+        self.t = int(state["t"])
+        self._owed = int(state.get("owed", 0))
+        self._noted = set(state.get("noted", state.get("warned", ())))
+        self._feed.skip(int(state["probes_used"]))
+
+    def _own_state(self) -> dict[str, Any]:
+        """The subclass's part of :meth:`state_dict`."""
+        return {}
+
+    def _load_own_state(self, state: Mapping[str, Any]) -> None:
+        """Restore :meth:`_own_state` (checked before anything is changed)."""

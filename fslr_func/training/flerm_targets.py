@@ -1,0 +1,184 @@
+r"""What a base record asks of each tensor of the scaled model: FLeRM's targets :math:`T_W(t)`.
+
+A base tensor ``b`` moved the function by :math:`m_b(t) = \eta_b(t)\,\mathrm{FSLR}^\text{base}_b(t)
+= \eta_0\,\mathrm{sched}^\text{base}(t)\,\tilde F_b(t)`, with
+
+.. math::
+
+    \tilde F_b(t) = \mathrm{FSLR}^\text{base}_b(t) \, \frac{\eta_{0,b}}{\eta_0}, \qquad
+    \eta_{0,b} = \frac{\eta_b(t)}{\mathrm{sched}^\text{base}(t)},
+
+:math:`\eta_b(t)` the rate in force for ``b`` (``base.lrs_at(t)``), :math:`\eta_0` the base
+learning rate (``base.meta["base_lr"]``). The policy (:mod:`fslr_func.training.policies`)
+maps :math:`\tilde F` onto the scaled model's tensors: :math:`T_W(t)`. With one base rate for
+every tensor, :math:`\tilde F_b = \mathrm{FSLR}^\text{base}_b`, the paper's rule.
+
+:class:`BaseTargets` also owns the names on both sides: the scaled model's (bare, without the
+``_orig_mod.`` of ``torch.compile`` or a DDP ``module.``; :mod:`fslr_func.probe.names`) and
+the record's, and it checks, once, that the record can drive this model at all (estimator,
+grouping, architecture, base rate).
+
+Example:
+    >>> import torch, fslr_func as ff
+    >>> base = ff.FSLRRecord(meta={"base_lr": 0.1, "estimator": "kron"})
+    >>> base.append(0, {"weight": 0.5, "bias": 0.25})
+    >>> fm = ff.with_fslr(torch.nn.Linear(3, 2), samples=2, seed=0)
+    >>> targets = BaseTargets(fm, base, "identity")
+    >>> targets.check(["weight", "bias"])
+    >>> targets.at(0, ["weight", "bias"], lambda names, message: None)
+    {'weight': 0.5, 'bias': 0.25}
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from torch import Tensor
+
+from ..io.record import FSLRRecord, grouping_meta
+from ..io.record_meta import is_learning_rate
+from ..probe.names import recorded_names
+from . import policies
+from .wrapper import FSLRModule
+
+__all__ = ["BaseTargets", "Note"]
+
+Note = Callable[[Sequence[str], str], None]
+"""``note(names, message)``: warn once per tensor; ``{}`` in ``message`` stands for the names."""
+
+
+class BaseTargets:
+    """The base record's targets for the scaled model's tensors, and the names that link them.
+
+    Args:
+        fm: the wrapped scaled model.
+        base: the base run's record.
+        policy: anything :func:`fslr_func.training.policies.resolve` accepts.
+
+    Attributes:
+        params: the scaled model's parameters by name (``fm.module.named_parameters()``).
+        late: tensors added to the model after this object was built (late adapters).
+        lr0: :math:`\\eta_0`, after :meth:`check`.
+        one_to_one: whether the policy maps each tensor to the base tensor of its name.
+    """
+
+    def __init__(self, fm: FSLRModule, base: FSLRRecord, policy: policies.PolicySpec) -> None:
+        self.fm = fm
+        self.base = base
+        self.policy = policies.resolve(policy)
+        self.one_to_one = policies.is_one_to_one(self.policy)
+        self.params: dict[str, Tensor] = {}
+        self.late: set[str] = set()
+        self.lr0 = 0.0
+        self.index()
+
+    def index(self) -> None:
+        """Read the model's parameters and their names (bare, and as the record has them)."""
+        known = self.params
+        self.params = dict(self.fm.module.named_parameters())
+        if known:  # parameters added to the model after FLeRM was built
+            self.late |= self.params.keys() - known.keys()
+        self.name_of = {id(p): n for n, p in self.params.items()}
+        prefix = self.fm.name_prefix
+        self.bare = {n: n.removeprefix(prefix) for n in self.params}
+        self.base_names = recorded_names(self.base.names, self.bare.values())
+
+    def check(self, names: Sequence[str]) -> None:
+        """Refuse a record that cannot drive these tensors of this model.
+
+        Raises:
+            ValueError: an empty record, one without a positive ``base_lr``, one with ``lrs``
+                and a zero schedule ratio, another estimator or grouping than the wrapper's,
+                or (one-to-one policy) tensors of another rank; the message names the fix.
+        """
+        base, fm = self.base, self.fm
+        if len(base) == 0:
+            raise ValueError("the base record is empty: record a base run first")
+        lr0 = base.meta.get("base_lr")
+        if lr0 is None:
+            raise ValueError(
+                "the base record has no meta['base_lr'] (lr_0): record it with a Recorder or "
+                "set record.meta['base_lr']"
+            )
+        if not is_learning_rate(lr0):
+            raise ValueError(f"the base record's meta['base_lr'] must be a number > 0, got {lr0!r}")
+        self.lr0 = float(lr0)
+        stalled = [s for s, r in zip(base.steps, base.sched, strict=True) if r == 0]
+        if base.lrs and stalled:
+            raise ValueError(
+                f"the base record's schedule ratio is 0 at steps {stalled[:10]}: its un-scheduled "
+                "rates lrs / sched are undefined there; set record.lrs = {} to run every base "
+                "tensor at base_lr"
+            )
+        estimator = base.meta.get("estimator")
+        if estimator is not None and estimator != fm.estimator:
+            raise ValueError(
+                f"the base record was measured with estimator {estimator!r} but the scaled "
+                f"model's wrapper uses {fm.estimator!r}: FSLRs of different estimators "
+                f"are not comparable (tensors {list(names[:10])}); use with_fslr(..., "
+                f"estimator={estimator!r}) or re-record the base"
+            )
+        grouping, own = base.meta.get("grouping"), grouping_meta(fm.grouping)
+        if grouping is not None and grouping != own:
+            raise ValueError(
+                f"the base record was measured with grouping {grouping!r} but the scaled model's "
+                f"wrapper uses {own!r}: FSLRs of tensors of rank 3 or more (conv weights) differ "
+                f"between groupings (tensors {list(names[:10])}); use the base run's grouping "
+                "in with_fslr(..., grouping=...) or re-record the base"
+            )
+        if self.one_to_one:
+            shapes = {self.base_names.get(n, n): s for n, s in base.shapes.items()}
+            bad = [
+                f"{n!r}: base {list(shapes[b])} vs scaled {list(self.params[n].shape)}"
+                for n in names
+                if (b := self.bare[n]) in shapes and len(shapes[b]) != self.params[n].dim()
+            ]
+            if bad:
+                raise ValueError(
+                    "the base record is from another architecture: tensors of different rank "
+                    f"under the identity policy: {bad[:10]}"
+                )
+
+    def at(self, step: int, names: Sequence[str], note: Note) -> dict[str, float]:
+        r"""Targets :math:`T_W` of ``names`` at ``step``; a zero target is allowed (the tensor
+        is then held).
+
+        The policy gets :math:`\tilde F_b`, computed as ``fslr * ((lr_b / lr_0) / sched)``: for
+        a tensor at the rate the schedule ratio was measured from (``sched = lr_b / lr_0``, as
+        the Recorder stores it) the factor is exactly 1, so records with one base rate give
+        exactly the base FSLRs. Base tensors without a recorded rate count as running at
+        :math:`\eta_0`. The policy maps the whole model (an optimiser may hold a subset: Muon
+        + AdamW); under a one-to-one policy a record of a subset is matched on that subset.
+
+        Args:
+            step: the training step.
+            names: the tensors FLeRM drives.
+            note: warns once per tensor (record tensors the model lacks).
+        """
+        lr0 = self.lr0 or float(self.base.meta["base_lr"])
+        fslr, rates, sched = self.base.at(step), self.base.lrs_at(step), self.base.sched_at(step)
+        moved = {
+            self.base_names[b]: f * (rates[b] / lr0 / sched) if b in rates else f
+            for b, f in fslr.items()
+        }
+        bare, driven = self.bare, set(names)
+        if self.one_to_one:
+            present = set(bare.values())
+            note(
+                [b for b in moved if b not in present],
+                "FLeRM: the base record has tensors {} that the scaled model does not have "
+                "(yet): they are matched once added to the model (adapters added later); "
+                "otherwise check that the record is from this architecture",
+            )
+            moved = {b: f for b, f in moved.items() if b in present}
+            # every tensor the record has, frozen ones included (freezing a tensor does not
+            # change the architecture); tensors added late and absent from the record are held
+            model = [
+                bare[n]
+                for n in self.params
+                if bare[n] in moved or (n in driven and n not in self.late)
+            ]
+        else:
+            model = [bare[n] for n, p in self.params.items() if p.requires_grad or n in driven]
+        targets = policies.apply(self.policy, moved, model, allow_zero=True)
+        return {n: targets[bare[n]] for n in names if bare[n] in targets}

@@ -1,0 +1,204 @@
+"""A measured optimiser step and the estimates read from it: :class:`Measurement`,
+:class:`Reading`, and :func:`read_estimates`, the wrapper's one host synchronisation.
+
+A measured step never reads a tensor's value on the host (on a GPU each read is a
+synchronisation): the EMAs, the counts of probes folded in or left out and the flags of which
+tensors moved all stay on the device. :func:`read_estimates` stacks what a reading needs into
+one tensor per parameter (:class:`Row`), reads them all at once, reports the probes left out
+since the last reading in one warning, and returns a :class:`Reading`.
+
+Example:
+    >>> import torch
+    >>> from fslr_func.stats.estimator import EMA
+    >>> ema = EMA(0.9)
+    >>> ema.update({"w": torch.log(torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64))})
+    >>> log_sq = {"w": torch.tensor(4.0, dtype=torch.float64).log()}  # ||Delta f||^2 = 4
+    >>> reading = read_estimates(log_sq, ema, folded={}, changed={}, reported={})
+    >>> reading.values, reading.moved
+    ({'w': 2.0}, ())
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..probe.names import short_list
+from ..stats.estimator import EMA, fslr_from_log
+
+__all__ = ["Measurement", "Reading", "Row", "read_estimates"]
+
+
+@dataclass
+class Measurement:
+    """One measured optimiser step, filled in when the ``measure`` block exits.
+
+    Attributes:
+        before: the trainable tensors before the step (name -> clone).
+        lrs: the learning rate each tensor's update was taken at (its group's, times FLeRM's
+            factor where FLeRM scaled the update inside the block).
+        delta: the unit-learning-rate updates, ``(after - before) / lr``.
+        log_sq: the wrapper's log ``||Delta_W f||^2_RMS`` estimates after folding this
+            step's probes in, on the device (NaN: nothing valid measured yet).
+        folded: per tensor, how many of this step's probes were folded into its EMA (the
+            others were left out as not finite, or the tensor did not move), on the device.
+        changed: per tensor, whether the step changed it (a 0-d bool on the device). A tensor
+            the step left unchanged (no gradient, a step skipped by a ``GradScaler``) keeps
+            its EMA; read as :attr:`moved`.
+    """
+
+    before: dict[str, Tensor]
+    lrs: dict[str, float]
+    delta: dict[str, Tensor] = field(default_factory=dict)
+    log_sq: dict[str, Tensor] = field(default_factory=dict)
+    folded: dict[str, Tensor] = field(default_factory=dict)
+    changed: dict[str, Tensor] = field(default_factory=dict)
+    reader: Callable[[Measurement], Reading] | None = None
+    _reading: Reading | None = None
+
+    def read(self) -> Reading:
+        """This step's estimates on the host: one synchronisation, made once and kept."""
+        if self._reading is None:
+            if self.reader is None:
+                return Reading({}, {}, (), ())
+            self._reading = self.reader(self)
+        return self._reading
+
+    @property
+    def fslr(self) -> dict[str, Tensor]:
+        """The FSLR estimates after this step (float64 scalars); tensors without a valid
+        measurement are left out."""
+        return self.read().fslr
+
+    @property
+    def moved(self) -> tuple[str, ...]:
+        """The tensors the step changed (the others kept their estimates); empty: nothing
+        moved, as in a step skipped by a ``GradScaler``."""
+        return self.read().moved
+
+    @property
+    def left_out(self) -> tuple[str, ...]:
+        """Tensors that moved but none of whose probes at this step could be folded in (their
+        statistics were not finite)."""
+        return self.read().left_out
+
+
+@dataclass(frozen=True)
+class Reading:
+    """Estimates read on the host.
+
+    Attributes:
+        fslr: tensor name -> FSLR (float64 scalar), for the tensors with a valid measurement.
+        values: the same as Python floats (read in the same synchronisation).
+        moved: the tensors the step read changed (every tensor, outside a step).
+        left_out: tensors that moved but none of whose probes could be folded in.
+    """
+
+    fslr: dict[str, Tensor]
+    values: dict[str, float]
+    moved: tuple[str, ...]
+    left_out: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Row:
+    """What one reading learns of one tensor, read from the device in one stacked tensor.
+
+    Attributes:
+        unknown: no valid measurement yet (the estimate is NaN).
+        dropped: probes of this tensor left out so far (not finite).
+        last_dropped: the step label of the latest of them.
+        folded: probes folded into its EMA at this step (or in all, outside a step).
+        fslr: the FSLR estimate.
+        changed: whether the step changed the tensor.
+    """
+
+    unknown: bool
+    dropped: int
+    last_dropped: int
+    folded: int
+    fslr: float
+    changed: bool
+
+    @classmethod
+    def stack(
+        cls, log_sq: Tensor, ema: EMA, name: str, folded: Tensor | None, changed: Tensor | None
+    ) -> Tensor:
+        """The row's fields as one float64 tensor on the device, in field order."""
+        dropped = ema.dropped[name]
+        return torch.stack(
+            [
+                torch.isnan(log_sq),
+                dropped,
+                ema.last_dropped[name],
+                ema.counts[name] if folded is None else folded,
+                fslr_from_log(log_sq),
+                torch.ones_like(dropped) if changed is None else changed,
+            ]
+        ).to(torch.float64)
+
+    @classmethod
+    def of(cls, values: list[float]) -> Row:
+        """The row from its fields read on the host."""
+        unknown, dropped, last_dropped, folded, fslr, changed = values
+        return cls(
+            bool(unknown), int(dropped), int(last_dropped), int(folded), float(fslr), bool(changed)
+        )
+
+
+def read_estimates(
+    log_sq: Mapping[str, Tensor],
+    ema: EMA,
+    folded: Mapping[str, Tensor],
+    changed: Mapping[str, Tensor],
+    reported: dict[str, int],
+) -> Reading:
+    """``log_sq`` as FSLRs, after one synchronisation that finds and reports the drops.
+
+    Args:
+        log_sq: tensor name -> log ``||Delta_W f||^2_RMS`` estimate, on the device.
+        ema: the EMA the estimates come from (its drop counts and probe counts).
+        folded: per tensor, the probes folded in at this step (default: the EMA's counts).
+        changed: per tensor, whether the step changed it (default: every tensor).
+        reported: per tensor, the drops already reported; updated here.
+
+    Returns:
+        The :class:`Reading`; tensors without a valid measurement are left out of its
+        estimates.
+    """
+    names = list(log_sq)
+    if not names:
+        return Reading({}, {}, tuple(changed), ())
+    stacked = [Row.stack(log_sq[n], ema, n, folded.get(n), changed.get(n)) for n in names]
+    rows = {
+        n: Row.of(values)
+        for n, values in zip(
+            names, torch.stack([r.to(stacked[0].device) for r in stacked]).tolist(), strict=True
+        )
+    }
+    by_step: dict[int, list[str]] = {}
+    for n, row in rows.items():
+        if row.dropped > reported.get(n, 0):
+            by_step.setdefault(row.last_dropped, []).append(n)
+        reported[n] = row.dropped
+    if by_step:
+        listed = "; ".join(f"step {k}: {short_list(v)}" for k, v in sorted(by_step.items()))
+        warnings.warn(
+            f"fslr_func: probe statistics that were not finite (NaN or Inf: a NaN in the "
+            f"probe batch, an output that overflowed, or a diverged update) were left out "
+            f"of the FSLR averages ({listed}); those averages kept their previous values",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+    valid = [n for n, row in rows.items() if not row.unknown]
+    moved = tuple(n for n in changed if rows[n].changed)
+    return Reading(
+        fslr={n: fslr_from_log(log_sq[n]) for n in valid},
+        values={n: rows[n].fslr for n in valid},
+        moved=moved,
+        left_out=tuple(n for n in moved if rows[n].folded == 0),
+    )

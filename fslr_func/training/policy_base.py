@@ -1,0 +1,95 @@
+"""What a depth-mapping policy is (:class:`Policy`), the checks every policy shares, and the
+one-to-one policy :func:`identity`. The policies over blocks are in
+:mod:`fslr_func.training.block_sharing`; names, resolution and validation in
+:mod:`fslr_func.training.policies`.
+
+Example:
+    >>> identity({"w": 0.5, "b": 0.1}, ["w", "b"])
+    {'w': 0.5, 'b': 0.1}
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from typing import Protocol
+
+from ..probe.names import BLOCK_PATTERN, short_list
+
+__all__ = ["DEFAULT_PATTERN", "Policy", "check_total", "check_unique", "identity", "named"]
+
+DEFAULT_PATTERN = BLOCK_PATTERN
+"""Default block regex: group 1 is the block index (``blocks.3.``, ``layers.0.``, ``h.11.``)."""
+
+
+class Policy(Protocol):
+    """A depth-mapping policy: ``policy(base, scaled) -> targets``.
+
+    Args:
+        base: base tensor name -> base FSLR at the current step.
+        scaled: the scaled model's trainable tensor names, in ``named_parameters()`` order.
+
+    Returns:
+        Scaled tensor name -> target FSLR (finite, ``> 0``) for every name in ``scaled``.
+    """
+
+    def __call__(self, base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
+        """Map every scaled tensor to its target FSLR."""
+        ...
+
+
+def check_unique(scaled: Sequence[str]) -> None:
+    dup = [n for n, c in Counter(scaled).items() if c > 1]
+    if dup:
+        raise ValueError(f"scaled tensor names must be unique; repeated: {short_list(dup)}")
+
+
+def check_total(total: float) -> float:
+    t = float(total)
+    if not (math.isfinite(t) and t > 0):
+        raise ValueError(f"total must be a finite number > 0, got {total!r}")
+    return t
+
+
+def named(
+    fn: Callable[[Mapping[str, float], Sequence[str]], dict[str, float]], name: str
+) -> Policy:
+    fn.__name__ = fn.__qualname__ = name
+    return fn
+
+
+def identity(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
+    """One-to-one policy: ``target_W = base_W`` for tensors with the same name.
+
+    For width, initialisation-scale or LoRA-rank scaling, where base and scaled models have the
+    same tensor names.
+
+    Raises:
+        ValueError: listing the scaled tensors missing from the base record and the base
+            tensors absent from the scaled model (a record from another architecture).
+
+    Example:
+        >>> identity({"w": 0.5, "b": 0.1}, ["w", "b"])
+        {'w': 0.5, 'b': 0.1}
+        >>> identity({"w": 0.5}, ["w", "v"])
+        Traceback (most recent call last):
+        ...
+        ValueError: identity policy: the base record and the scaled model have different tensors: scaled tensors missing from the base record: ['v']; base tensors absent from the scaled model: []. Is the record from another architecture? For depth scaling use policy='share_blocks' or a custom callable.
+    """  # noqa: E501
+    check_unique(scaled)
+    missing = [n for n in scaled if n not in base]
+    scaled_set = set(scaled)
+    extra = [n for n in base if n not in scaled_set]
+    if missing or extra:
+        raise ValueError(
+            "identity policy: the base record and the scaled model have different tensors: "
+            f"scaled tensors missing from the base record: {short_list(missing)}; "
+            f"base tensors absent from the scaled model: {short_list(extra)}. Is the record from "
+            "another architecture? For depth scaling use policy='share_blocks' or a custom "
+            "callable."
+        )
+    return {n: float(base[n]) for n in scaled}
+
+
+identity.one_to_one = True  # type: ignore[attr-defined]

@@ -1,0 +1,149 @@
+"""The wrapper's state dict: the bare model's keys, with the wrapper's own state (EMAs, readout
+roles, omega generators) in the state dict's metadata.
+
+``fm.state_dict()`` has the keys of the bare model (no ``module.``, no ``_orig_mod.`` of a
+``torch.compile``-d model), so ``model.load_state_dict(fm.state_dict())`` and
+``fm.load_state_dict(model.state_dict())`` both work. The wrapper's state rides where torch
+keeps module versions (``state_dict._metadata``): ``torch.save``/``torch.load`` keep it, a
+copied plain ``dict`` does not, and a state dict without it (a bare model's) leaves the
+wrapper's state as it is. Tensor names inside that state are the bare model's, as records
+have them (:mod:`fslr_func.probe.names`).
+
+Example:
+    >>> import torch, fslr_func as ff
+    >>> fm = ff.with_fslr(torch.nn.Linear(2, 1), samples=2, seed=0)
+    >>> sorted(fm.state_dict())
+    ['bias', 'weight']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import torch
+
+from ..probe.names import WRAPPER_PREFIXES
+from ..probe.options import ProbeOptions, Strategy
+from ..stats.estimator import EMA, ReadoutRole
+
+__all__ = ["STATE_VERSION", "extra_state", "load_bare", "load_extra_state", "save_bare"]
+
+STATE_VERSION = 3  # 3: tensor names are the bare model's (fslr_func.probe.names)
+_EXTRA = "_extra_state"
+_METADATA_KEY = "fslr_state"  # the wrapper's state, in the state dict's metadata
+
+
+class FSLRModule(Protocol):
+    """What this module reads and restores of :class:`fslr_func.training.wrapper.FSLRModule`."""
+
+    ema: EMA
+    readout_roles: dict[str, ReadoutRole]
+    generators: dict[str, torch.Generator]
+    probes: int
+    reported: dict[str, int]
+    resolved_strategy: Strategy
+    options: ProbeOptions
+
+    @property
+    def name_prefix(self) -> str: ...
+
+    @property
+    def wrapper_prefix(self) -> str: ...
+
+    @property
+    def beta(self) -> float: ...
+
+    def config(self) -> dict[str, Any]: ...
+
+    def generator_for(self, device: torch.device) -> torch.Generator: ...
+
+
+def _renamed(state: Mapping[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
+    """The EMA's or readout roles' state with every per-tensor dict's names renamed."""
+    return {
+        k: {rename(n): x for n, x in v.items()} if isinstance(v, dict) else v
+        for k, v in state.items()
+    }
+
+
+def save_bare(fm: FSLRModule, state: dict[str, Any], prefix: str, local: dict[str, Any]) -> None:
+    """State-dict post-hook: the model's keys without the wrapper prefixes, the wrapper's own
+    state in the metadata (where torch keeps module versions), so the bare model loads it."""
+    metadata = getattr(state, "_metadata", None)
+    if metadata is None:  # a destination without metadata: the wrapper's form, state as a key
+        return
+    inner = prefix + fm.wrapper_prefix
+    for key in [k for k in state if k.startswith(inner)]:
+        state[prefix + key[len(inner) :]] = state.pop(key)
+    local[_METADATA_KEY] = state.pop(prefix + _EXTRA)
+    for key in [k for k in metadata if k.startswith(prefix + WRAPPER_PREFIXES[1][:-1])]:
+        if key.startswith(inner):
+            metadata[prefix + key[len(inner) :]] = metadata.pop(key)
+        elif inner.startswith(key + "."):  # a wrapper's entry; the bare model's has its version
+            entry = metadata.pop(key)
+            if key == inner[:-1]:
+                local.update(entry)
+
+
+def load_bare(
+    fm: FSLRModule, state: dict[str, Any], prefix: str, local: Mapping[str, Any], *_: Any
+) -> None:
+    """Load-state-dict pre-hook: bare keys back under the wrapper prefixes. A state dict with
+    the state as a key is in the wrapper's form already (saved before names were bare)."""
+    if prefix + _EXTRA in state:
+        return
+    state[prefix + _EXTRA] = local.get(_METADATA_KEY)  # None: a bare model's, kept as it is
+    inner = prefix + fm.wrapper_prefix
+    for key in [k for k in state if k.startswith(prefix) and k != prefix + _EXTRA]:
+        state[inner + key[len(prefix) :]] = state.pop(key)
+
+
+def extra_state(fm: FSLRModule) -> dict[str, Any]:
+    """The wrapper's own state: EMA, readout roles, omega generators and configuration, with
+    tensors under the bare model's names."""
+    bare = fm.name_prefix
+    return {
+        "version": STATE_VERSION,
+        "config": fm.config(),
+        "ema": _renamed(fm.ema.state_dict(), lambda n: n.removeprefix(bare)),
+        "readout_roles": {n.removeprefix(bare): r for n, r in fm.readout_roles.items()},
+        "generators": {k: g.get_state() for k, g in fm.generators.items()},
+        "probes": fm.probes,
+        "resolved_strategy": fm.resolved_strategy,
+    }
+
+
+def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
+    """Restore :func:`extra_state` into ``fm`` after checking its configuration.
+
+    Raises:
+        ValueError: a state of another fslr_func version, or (``strict``) saved by a wrapper
+            with another configuration (each difference named).
+    """
+    if state is None:  # a bare model's state dict: the wrapper's state stays as it is
+        return
+    if not isinstance(state, dict) or state.get("version") not in (1, 2, STATE_VERSION):
+        raise ValueError("this FSLRModule state was saved by an incompatible fslr_func version")
+    saved = state.get("config", {})
+    differ = {k: (v, saved[k]) for k, v in fm.config().items() if k in saved and saved[k] != v}
+    if differ and strict:
+        listed = "; ".join(f"{k}: this wrapper {v!r}, saved {w!r}" for k, (v, w) in differ.items())
+        raise ValueError(
+            f"the FSLRModule state was saved with another configuration ({listed}): build "
+            f"the wrapper with the saved settings, or load with strict=False to keep this "
+            f"wrapper's settings and the saved averages"
+        )
+    prefix = fm.name_prefix if state["version"] == STATE_VERSION else ""
+    beta = fm.beta
+    fm.ema.load_state_dict(_renamed(state["ema"], lambda n: prefix + n))
+    fm.ema.beta = beta
+    fm.readout_roles = {prefix + n: r for n, r in state["readout_roles"].items()}
+    saved_generators = state.get("generators", {"cpu": state.get("generator")})
+    fm.generators = {}
+    for key, generator_state in saved_generators.items():
+        if generator_state is not None:
+            fm.generator_for(torch.device(key)).set_state(generator_state)
+    fm.probes = int(state.get("probes", 0))
+    fm.reported = {n: int(v) for n, v in fm.ema.dropped.items()}
+    fm.resolved_strategy = state.get("resolved_strategy", fm.options.strategy)
