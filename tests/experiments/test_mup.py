@@ -130,7 +130,7 @@ def test_rejects_unknown_optimiser_and_rank_change():
 
 
 def _tiny_sweep(tmp_path, **kw):
-    from tests.test_sweep import _sweep, tiny_config
+    from tests.experiments.test_sweep import _sweep, tiny_config
 
     return _sweep(tiny_config(seeds=1, scales=(1, 2), lrs=(0.01,), **kw), tmp_path)
 

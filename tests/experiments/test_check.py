@@ -9,7 +9,7 @@ import pytest
 
 from fslr_func.experiments.check import coord_check, format_check
 from fslr_func.experiments.cli import main
-from tests.test_sweep import tiny_task
+from tests.experiments.test_sweep import tiny_task
 
 
 def test_custom_task_standard_drifts_flerm_holds() -> None:

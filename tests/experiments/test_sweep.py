@@ -453,7 +453,7 @@ def test_custom_task_skips_builtin_checks(tmp_path: Path) -> None:
 
 
 def test_docs_demo_md_example_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    doc = Path(__file__).resolve().parents[1] / "docs" / "demo.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "demo.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
     assert len(blocks) == 1
     code = blocks[0]

@@ -452,7 +452,7 @@ def test_flerm_on_lora_starts_a_few_steps_in_without_dividing_by_zero() -> None:
 
 @pytest.mark.slow
 def test_lora_rank_example_quick_run(tmp_path: Path) -> None:
-    script = Path(__file__).parents[1] / "examples" / "lora_rank.py"
+    script = Path(__file__).parents[2] / "examples" / "lora_rank.py"
     out = tmp_path / "lora_rank.png"
     result = subprocess.run(
         [sys.executable, str(script), "--quick", "--out", str(out)],

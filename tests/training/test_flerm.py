@@ -563,7 +563,7 @@ def test_works_in_the_experiments_training_loop(base: FSLRRecord) -> None:
 
 
 def test_docs_flerm_md_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    doc = Path(__file__).resolve().parents[1] / "docs" / "flerm.md"
+    doc = Path(__file__).resolve().parents[2] / "docs" / "flerm.md"
     blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
     assert len(blocks) >= 4
     monkeypatch.chdir(tmp_path)
@@ -576,7 +576,7 @@ def test_docs_flerm_md_code_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.parametrize("name", ["flerm_width.py", "flerm_depth.py"])
 def test_examples_run(name: str, monkeypatch: pytest.MonkeyPatch, capsys: Any) -> None:
-    path = Path(__file__).resolve().parents[1] / "examples" / name
+    path = Path(__file__).resolve().parents[2] / "examples" / name
     argv = [str(path), "--steps", "30", "--lrs", "1e-3", "1e-2", "--seeds", "1"]
     monkeypatch.setattr("sys.argv", argv)
     runpy.run_path(str(path), run_name="__main__")

@@ -187,7 +187,7 @@ def test_matrix_is_closer_to_exact_than_dims_on_a_trained_conv_net() -> None:
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    sys.path.insert(0, str(Path(__file__).parents[2] / "benchmarks"))
     import conv_grouping
 
     ratios = conv_grouping.measure("conv2d", seed=0, steps=3, samples=1000, batch=64, lr=1e-3)
