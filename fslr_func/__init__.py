@@ -14,7 +14,7 @@ The public surface (see ``docs/api.md``), grouped by layer:
 
 The layers, bottom to top: ``stats`` (pure statistics and estimators), ``probe``, ``parallel``
 and ``io``, ``training``, ``integrations``, ``experiments``; each imports only from those below
-it (``tests/test_structure.py`` and import-linter check it).
+it (``tests/test_structure.py`` checks it).
 """
 
 from types import ModuleType

@@ -6,7 +6,7 @@ and monkeypatching see one class) with a ``DeprecationWarning`` naming the new p
 ``fslr_func.policies`` is a stable name of the public surface (``ff.policies``) and gives
 :mod:`fslr_func.training.policies` without a warning.
 
-Example:
+Examples:
     >>> import importlib, warnings
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
@@ -29,7 +29,6 @@ from types import ModuleType
 
 __all__ = ["MOVED", "STABLE", "install", "moved_attribute"]
 
-#: Old module path (0.2) -> new path; importing the old one warns.
 MOVED: dict[str, str] = {
     "fslr_func.atomic": "fslr_func.io.atomic",
     "fslr_func.cli": "fslr_func.experiments.cli",
@@ -55,8 +54,9 @@ MOVED: dict[str, str] = {
     "fslr_func.vjp": "fslr_func.probe.vjp",
     "fslr_func.wrap": "fslr_func.training.wrap",
 }
-#: Public names that live in a subpackage; importing them does not warn.
+"""Old module path (0.2) -> new path; importing the old one warns."""
 STABLE: dict[str, str] = {"fslr_func.policies": "fslr_func.training.policies"}
+"""Public names that live in a subpackage; importing them does not warn."""
 
 
 class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -6,11 +6,20 @@ import os
 
 import pytest
 import torch
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 from torch import Tensor, nn
 
-settings.register_profile("fslr", max_examples=30, deadline=None, derandomize=True)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "fslr"))
+# Hypothesis: a fast profile by default, a thorough one in CI (.ci/run sets HYPOTHESIS_PROFILE=ci).
+# Both derandomised, so a run is reproducible; CI's 8x the examples reach the edge cases.
+settings.register_profile("dev", max_examples=25, deadline=None, derandomize=True)
+settings.register_profile(
+    "ci",
+    max_examples=200,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 # One thread: on 2 shared cores, small ops run far faster without intra-op threading.
 torch.set_num_threads(1)
 

@@ -1,6 +1,6 @@
 """Reference models, offline data and a plain training loop for the paper's experiments.
 
-Example:
+Examples:
     >>> from fslr_func.experiments import ResMLP, Transformer, digits, train, last_mean
     >>> ResMLP(64, 10, width=16).readout.weight.shape
     torch.Size([10, 16])

@@ -15,7 +15,7 @@ seeds), and a base record only when it carries the sweep's fingerprint; a missin
 stale file is re-run and rewritten. A base record is read (or made) once per sweep and kept,
 so another sweep writing into the same folder cannot swap it under a running one.
 
-Example:
+Examples:
     >>> import tempfile
     >>> from pathlib import Path
     >>> from fslr_func.experiments.configs import SweepConfig
@@ -76,7 +76,7 @@ def _number_or_none(x: object) -> bool:
 def _is_result(data: Any, spec: RunSpec) -> bool:
     """Whether ``data`` is a complete result of ``spec`` (what the summary and plots read).
 
-    Example:
+    Examples:
         >>> spec = RunSpec("standard", 1.0, 0.5, 0)
         >>> run = {"format": RUN_FORMAT, "version": RUN_VERSION, "key": spec.key,
         ...        "mode": "standard", "scale": 1.0, "lr": 0.5, "seed": 0,
@@ -122,7 +122,7 @@ def mean_record(records: Iterable[FSLRRecord]) -> FSLRRecord | None:
     A diverged base run stops early (fewer rows) and one without a finite estimate has none;
     the mean uses the steps all non-empty records share. ``None`` if no record has a row.
 
-    Example:
+    Examples:
         >>> a = FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 2.0]}, meta={"seed": 0})
         >>> b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1})
         >>> m = mean_record([a, b])

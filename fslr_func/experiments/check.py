@@ -22,7 +22,7 @@ Only tensors present at every scale are compared (along depth, the extra blocks 
 counterpart; under FLeRM's ``share_blocks`` policy each block's share of its base block's
 movement then falls with depth by design).
 
-Example:
+Examples:
     >>> import functools, torch
     >>> from fslr_func.experiments import batches
     >>> from fslr_func.experiments.task import Task
@@ -60,8 +60,9 @@ from .train import make_optimizer, train
 
 __all__ = ["CHECK_MODES", "coord_check", "format_check"]
 
-#: Modes :func:`coord_check` can compare (``"mup"``: :func:`~fslr_func.experiments.mup.apply_mup`).
 CHECK_MODES = ("standard", "mup", "flerm")
+"""Modes :func:`coord_check` can compare (``"mup"``:
+:func:`~fslr_func.experiments.mup.apply_mup`)."""
 
 
 def _run(
@@ -222,7 +223,7 @@ def coord_check(
 def format_check(result: Mapping[str, Any]) -> str:
     """The table of :func:`coord_check`: movement per tensor and scale, drift, flags.
 
-    Example:
+    Examples:
         >>> r = {"scales": [1.0, 4.0], "names": ["w"], "threshold": 2.0, "modes": {
         ...     "standard": {"movement": {"w": [0.01, 0.04]}, "drift": {"w": 4.0},
         ...                  "flagged": ["w"]}}}

@@ -14,7 +14,7 @@
 Runs are cached in the output folder: an interrupted command resumes where it stopped when run
 again, and a finished one re-plots instantly.
 
-Example:
+Examples:
     >>> main(["sweep", "--scales", "1,two"])  # doctest: +SKIP
     usage: fslr sweep [-h] ...
     fslr sweep: error: argument --scales: 'two' is not a number
@@ -75,7 +75,7 @@ def parse_lrs(text: str) -> tuple[float, ...]:
     ``LO..HI`` is one learning rate per octave from ``LO`` up to ``HI``; ``LO..HI/N`` has ``N``
     per octave.
 
-    Example:
+    Examples:
         >>> parse_lrs("1e-3, 2^-4")
         (0.001, 0.0625)
         >>> [f"{x:g}" for x in parse_lrs("2^-4..2^-2")]

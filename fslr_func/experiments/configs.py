@@ -11,7 +11,7 @@ of its config and ``(mode, scale, lr, seed)``, which is what makes the sweep cac
 
 :data:`DEMO` is the configuration of ``fslr demo``: change the demo here, in one place.
 
-Example:
+Examples:
     >>> cfg = SweepConfig(scales=(1, 2), lrs=octaves(-8, -6), steps=20, seeds=1)
     >>> cfg.base_scale, cfg.policy, [f"{lr:g}" for lr in cfg.lrs]
     (1.0, 'identity', ['0.00390625', '0.0078125', '0.015625'])
@@ -57,26 +57,27 @@ __all__ = [
     "scale_key",
 ]
 
-#: Axes a sweep can scale; the base model is the smallest scale. ``width_depth`` multiplies the
-#: width and the number of blocks by the same scale.
 AXES = ("width", "depth", "width_depth", "init_scale")
-#: Axes that change the width.
+"""Axes a sweep can scale; the base model is the smallest scale. ``width_depth`` multiplies the
+width and the number of blocks by the same scale."""
 WIDTH_AXES = ("width", "width_depth")
-#: Axes that change the number of blocks (FLeRM's default policy there: ``share_blocks``).
+"""Axes that change the width."""
 DEPTH_AXES = ("depth", "width_depth")
-#: Initialisations of FLeRM's models (:attr:`SweepConfig.flerm_init`).
+"""Axes that change the number of blocks (FLeRM's default policy there: ``share_blocks``)."""
 FLERM_INITS = ("standard", "mup")
-#: Built-in model families.
+"""Initialisations of FLeRM's models (:attr:`SweepConfig.flerm_init`)."""
 MODELS = ("resmlp", "transformer")
-#: Data sets each built-in model can train on.
+"""Built-in model families."""
 DATA: dict[str, tuple[str, ...]] = {"resmlp": ("mnist1d", "digits"), "transformer": ("text",)}
-#: Training modes compared by a sweep.
+"""Data sets each built-in model can train on."""
 MODES = ("standard", "mup", "flerm")
-#: Norm placements of the built-in transformer (:class:`~fslr_func.experiments.models.Transformer`).
+"""Training modes compared by a sweep."""
 NORMS = ("prenorm", "postnorm", "prenormpostmod")
+"""Norm placements of the built-in transformer
+(:class:`~fslr_func.experiments.models.Transformer`)."""
 
-#: Fields that do not change what a single run computes (so not part of its cache fingerprint).
 _NOT_RUN_FIELDS = ("scales", "lrs", "seeds", "modes")
+"""Fields that do not change what a single run computes (so not part of its cache fingerprint)."""
 
 
 class ConfigError(ValueError):
@@ -95,7 +96,7 @@ class ConfigError(ValueError):
 def octaves(lo: int, hi: int, per_octave: int = 1) -> tuple[float, ...]:
     """Learning rates ``2**lo .. 2**hi``, ``per_octave`` of them per factor of two.
 
-    Example:
+    Examples:
         >>> octaves(-3, -1)
         (0.125, 0.25, 0.5)
         >>> [round(x, 3) for x in octaves(-1, 0, per_octave=2)]
@@ -110,7 +111,7 @@ def octaves(lo: int, hi: int, per_octave: int = 1) -> tuple[float, ...]:
 def model_defaults(model: str) -> dict[str, Any]:
     """Config fields whose sensible default depends on the model family.
 
-    Example:
+    Examples:
         >>> model_defaults("transformer")["data"]
         'text'
     """
@@ -222,7 +223,7 @@ class SweepConfig:
     def for_model(cls, model: str = "resmlp", **overrides: Any) -> SweepConfig:
         """A config with the model family's defaults (:func:`model_defaults`), then overrides.
 
-        Example:
+        Examples:
             >>> SweepConfig.for_model("transformer", steps=10).depth
             2
         """
@@ -241,7 +242,7 @@ class SweepConfig:
 
         A transformer with another norm placement than PreNorm names it.
 
-        Example:
+        Examples:
             >>> SweepConfig().task_name
             'resmlp/mnist1d'
             >>> SweepConfig.for_model("transformer", norm="postnorm").task_name
@@ -254,7 +255,7 @@ class SweepConfig:
     def train_size(self) -> int | None:
         """Training samples of a classification data set (``None`` for text).
 
-        Example:
+        Examples:
             >>> SweepConfig(num_samples=25000).train_size, SweepConfig(data="digits").train_size
             (20000, 1438)
         """
@@ -275,7 +276,7 @@ class SweepConfig:
     def model_kwargs(self, scale: float) -> dict[str, Any]:
         """Width, depth and init scale of the model at ``scale`` along :attr:`axis`.
 
-        Example:
+        Examples:
             >>> SweepConfig(width=32, depth=4).model_kwargs(4)
             {'width': 128, 'depth': 4, 'init_scale': 1.0}
             >>> SweepConfig(axis="depth", depth=4).model_kwargs(2)
@@ -467,7 +468,7 @@ class SweepConfig:
     def from_dict(cls, data: Mapping[str, Any]) -> SweepConfig:
         """Inverse of :meth:`to_dict`; unknown keys are ignored (newer files).
 
-        Example:
+        Examples:
             >>> cfg = SweepConfig(steps=7)
             >>> SweepConfig.from_dict(cfg.to_dict()) == cfg
             True
@@ -486,7 +487,7 @@ class SweepConfig:
         defaults (``"prenorm"``, ``None``, ``"standard"``), so sweeps cached before those fields
         existed keep their fingerprints.
 
-        Example:
+        Examples:
             >>> a, b = SweepConfig(lrs=(0.1,)), SweepConfig(lrs=(0.1, 0.2), seeds=5)
             >>> c = SweepConfig(lrs=(0.1,), steps=9)
             >>> a.fingerprint() == b.fingerprint(), a.fingerprint() == c.fingerprint()
@@ -525,7 +526,7 @@ def lr_key(lr: float) -> str:
 
     8 significant digits when they are exact, else every digit needed to read it back.
 
-    Example:
+    Examples:
         >>> lr_key(2.0**-10), lr_key(0.001), lr_key(2.0**-0.5)
         ('0.0009765625', '0.001', '0.7071067811865476')
     """
@@ -535,17 +536,13 @@ def lr_key(lr: float) -> str:
 def scale_key(scale: float) -> str:
     """The scale as it appears in file names and JSON keys: exact and unique.
 
-    Example:
+    Examples:
         >>> scale_key(8.0), scale_key(0.5), scale_key(1.000001), scale_key(1 + 1e-12)
         ('8', '0.5', '1.000001', '1.000000000001')
     """
     return _exact_key(scale, f"{scale:g}")
 
 
-#: The ``fslr demo`` configuration: ResMLP width transfer (32 -> 256 units, 4 blocks) on
-#: procedural MNIST-1D, 9 learning rates an octave apart, 3 seeds. One pass over 20,000
-#: training samples (150 steps of 128), so train loss measures learning, not memorisation;
-#: see ``docs/demo.md`` for why this task.
 DEMO = SweepConfig(
     model="resmlp",
     axis="width",
@@ -561,3 +558,7 @@ DEMO = SweepConfig(
     last=30,
     every=10,
 )
+"""The ``fslr demo`` configuration: ResMLP width transfer (32 -> 256 units, 4 blocks) on procedural
+MNIST-1D, 9 learning rates an octave apart, 3 seeds. One pass over 20,000 training samples (150
+steps of 128), so train loss measures learning, not memorisation; see ``docs/demo.md`` for why
+this task."""

@@ -76,7 +76,7 @@ def digits(test_fraction: float = 0.2) -> Split:
     Returns:
         A :class:`Split` with 64 features and 10 classes.
 
-    Example:
+    Examples:
         >>> d = digits()
         >>> d.x_train.shape, d.x_test.shape, d.num_classes
         (torch.Size([1438, 64]), torch.Size([359, 64]), 10)
@@ -129,7 +129,7 @@ def mnist1d(num_samples: int = 5000, seed: int = 42, train_split: float = 0.8) -
     Returns:
         A :class:`Split` with float32 inputs (globally standardised by ``make_dataset``).
 
-    Example:
+    Examples:
         >>> d = mnist1d(num_samples=100, seed=0)
         >>> d.x_train.shape, d.y_test.shape, d.x_train.dtype
         (torch.Size([80, 40]), torch.Size([20]), torch.float32)
@@ -163,7 +163,7 @@ def batches(
     Yields:
         ``(x[idx], y[idx])`` pairs.
 
-    Example:
+    Examples:
         >>> x, y = torch.arange(10.0).unsqueeze(1), torch.arange(10)
         >>> it = batches(x, y, batch_size=4, generator=1)
         >>> [b[1].shape[0] for b, _ in zip(it, range(3))]
@@ -193,7 +193,7 @@ def pydoc_text() -> Tensor:
     The topics are concatenated in sorted key order, UTF-8 encoded; values are in ``[0, 256)``,
     dtype int64 (ready for ``nn.Embedding``). About 0.5 MB; identical for a given Python version.
 
-    Example:
+    Examples:
         >>> text = pydoc_text()
         >>> text.dtype, text.dim(), int(text.max()) < 256, len(text) > 100_000
         (torch.int64, 1, True, True)
@@ -213,7 +213,7 @@ def stdlib_source(max_bytes: int = 2_000_000) -> Tensor:
     Args:
         max_bytes: maximum length of the result.
 
-    Example:
+    Examples:
         >>> code = stdlib_source(max_bytes=10_000)
         >>> code.shape, code.dtype
         (torch.Size([10000]), torch.int64)
@@ -236,7 +236,7 @@ def stdlib_source(max_bytes: int = 2_000_000) -> Tensor:
 def split_bytes(data: Tensor, test_fraction: float = 0.1) -> tuple[Tensor, Tensor]:
     """Split a byte corpus into a leading training part and a trailing test part.
 
-    Example:
+    Examples:
         >>> train, test = split_bytes(torch.arange(100), 0.1)
         >>> len(train), len(test)
         (90, 10)
@@ -264,7 +264,7 @@ def byte_batches(
     Yields:
         int64 tensors of shape ``(batch_size, seq_len + 1)``.
 
-    Example:
+    Examples:
         >>> w = next(byte_batches(torch.arange(50), batch_size=2, seq_len=4, generator=0))
         >>> w.shape, bool((w[:, 1:] - w[:, :-1] == 1).all())
         (torch.Size([2, 5]), True)
@@ -288,7 +288,7 @@ def lm_batches(
 ) -> Iterator[tuple[Tensor, Tensor]]:
     """:func:`byte_batches` split into ``(inputs, targets)``, targets shifted by one byte.
 
-    Example:
+    Examples:
         >>> x, y = next(lm_batches(torch.arange(50), batch_size=2, seq_len=4))
         >>> x.shape, torch.equal(x[:, 1:], y[:, :-1])
         (torch.Size([2, 4]), True)

@@ -25,8 +25,8 @@ from fslr_func.probe.names import BLOCK_PATTERN, block_index, compile_block_patt
 
 __all__ = ["BLOCK_RE", "ResMLP", "Transformer", "block_index", "kaiming_normal_"]
 
-#: Finds the residual-block index in a parameter name, e.g. ``blocks.3.linear.weight`` -> 3.
 BLOCK_RE = compile_block_pattern(BLOCK_PATTERN)
+"""Finds the residual-block index in a parameter name, e.g. ``blocks.3.linear.weight`` -> 3."""
 
 NormType = Literal["prenorm", "postnorm", "prenormpostmod"]
 
@@ -47,7 +47,7 @@ def kaiming_normal_(weight: Tensor, gain: float = 1.0, scale: float = 1.0) -> Te
     Returns:
         ``weight``, modified in place.
 
-    Example:
+    Examples:
         >>> w = kaiming_normal_(torch.empty(4000, 50), gain=2.0)
         >>> abs(w.var().item() * 50 / 2.0 - 1.0) < 0.05
         True
@@ -97,7 +97,7 @@ class ResMLP(nn.Module):
     Parameter names: ``input.weight``, ``blocks.{i}.linear.weight``, ``readout.weight`` (and the
     matching ``.bias``).
 
-    Example:
+    Examples:
         >>> model = ResMLP(40, 10, width=32, depth=2)
         >>> model(torch.randn(5, 40)).shape
         torch.Size([5, 10])
@@ -248,7 +248,7 @@ class Transformer(nn.Module):
     Parameter names: ``embed.weight``, ``pos.weight``, ``blocks.{i}.attn.{q,k,v,o}.weight``,
     ``blocks.{i}.ff.up.weight``, ``blocks.{i}.ff.down.weight``, ``readout.weight`` (plus biases).
 
-    Example:
+    Examples:
         >>> model = Transformer(d_model=32, n_heads=2, d_ff=64, depth=2, seq_len=16)
         >>> model(torch.randint(0, 256, (3, 16))).shape
         torch.Size([3, 16, 256])

@@ -2,8 +2,9 @@ r"""muP (maximal update parametrisation) for any model, as a sweep baseline: no 
 
 The rules of the ``mup`` package (Yang et al., Tensor Programs V; ``MuReadout``,
 ``set_base_shapes``, ``MuAdam``/``MuSGD``), re-implemented without its ``torchvision``
-dependency and applied to a built model in place. ``tests/test_mup.py`` checks them against the
-package's per-tensor learning rates, initialisation and outputs when it is installed.
+dependency and applied to a built model in place. ``tests/experiments/test_mup.py`` checks
+them against the package's per-tensor learning rates, initialisation and outputs when it is
+installed.
 
 A dimension of a tensor is *infinite* when its size differs from the same tensor's in the base
 model (same name); its width multiplier is :math:`m = n / n_\text{base}`. A tensor with no base
@@ -31,7 +32,7 @@ infinite dimension of a tensor:
 Attention logits: muP divides them by the head dimension instead of its square root; the
 built-in transformer keeps its head dimension fixed (16) as it widens, so they need no change.
 
-Example:
+Examples:
     >>> import torch
     >>> from torch import nn
     >>> def mlp(width):
@@ -72,13 +73,13 @@ __all__ = [
     "width_mults",
 ]
 
-#: Optimisers (by the sweeps' names) that muP treats like Adam: entrywise normalised updates.
 ADAM_LIKE = ("adam", "adamw", "adamax", "adagrad", "rmsprop", "signsgd")
-#: Optimisers muP treats like SGD.
+"""Optimisers (by the sweeps' names) that muP treats like Adam: entrywise normalised updates."""
 SGD_LIKE = ("sgd",)
+"""Optimisers muP treats like SGD."""
 
-#: Per tensor, per dimension: the width multiplier ``n / n_base``, ``None`` for a finite one.
 Mults = dict[str, tuple[float | None, ...]]
+"""Per tensor, per dimension: the width multiplier ``n / n_base``, ``None`` for a finite one."""
 
 
 def _role_shapes(shapes: Mapping[str, tuple[int, ...]]) -> dict[str, tuple[int, ...]]:
@@ -96,7 +97,7 @@ def width_mults(model: nn.Module, base: nn.Module | Mapping[str, Any]) -> Mults:
         model: the scaled model.
         base: the base model, or its parameter shapes by name.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> width_mults(nn.Linear(16, 3), {"weight": (3, 4), "bias": (3,)})
         {'weight': (None, 4.0), 'bias': (None,)}
@@ -142,7 +143,7 @@ def readouts(model: nn.Module, base: nn.Module | Mapping[str, Any]) -> dict[str,
     """Readout layers by module name, with their width multiplier: the linear layers whose
     fan-in is infinite and fan-out finite (the package asserts these are ``MuReadout``).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> readouts(nn.Linear(16, 3), {"weight": (3, 4), "bias": (3,)})
         {'': 4.0}
@@ -179,7 +180,7 @@ def mup_groups(
         ``[{"params": [p], "name": name, "lr": ..., "weight_decay": ...}, ...]`` in
         ``named_parameters()`` order; torch optimisers keep the extra ``"name"`` key.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> [(g["name"], g["lr"]) for g in mup_groups(nn.Linear(8, 8), nn.Linear(2, 2), 1.0)]
         [('weight', 0.25), ('bias', 1.0)]
@@ -257,7 +258,7 @@ def base_shapes(
     """The parameter shapes of ``build(base_scale, seed)``, muP's base shapes, built with
     torch's random state restored afterwards (a model built next is initialised as without it).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> base_shapes(lambda scale, seed: nn.Linear(int(2 * scale), 3), 1.0, 0)
         {'weight': (3, 2), 'bias': (3,)}
@@ -280,7 +281,7 @@ def mup_init_task(task: Task, base_scale: float) -> Task:
     to set the rates: :func:`apply_mup` without its param groups, the base model being
     ``task.build(base_scale, seed)``. At ``base_scale`` the models are ``task``'s own.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from fslr_func.experiments.task import Task
         >>> def build(scale, seed):

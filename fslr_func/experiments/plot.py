@@ -16,7 +16,7 @@ matplotlib is imported only when a figure is drawn, and only its object-oriented
 (``matplotlib.figure.Figure``, rendered by Agg): no global backend is switched and no window
 opens. Install it with ``pip install 'fslr_func[plot]'``.
 
-Example:
+Examples:
     >>> tensor_kind("blocks.3.linear.weight"), tensor_kind("readout.bias")
     ('hidden', 'bias')
 """
@@ -46,7 +46,6 @@ __all__ = [
     "tensor_kind",
 ]
 
-#: Colour of each tensor kind in :func:`plot_fslr_time` and :func:`plot_flerm_lrs`.
 KIND_COLOURS = {
     "input": "tab:blue",
     "hidden": "tab:orange",
@@ -58,6 +57,7 @@ KIND_COLOURS = {
     "readout": "tab:green",
     "bias": "tab:gray",
 }
+"""Colour of each tensor kind in :func:`plot_fslr_time` and :func:`plot_flerm_lrs`."""
 
 _PATTERNS = (
     ("bias", r"(^|\.)bias$"),
@@ -76,7 +76,7 @@ def tensor_kind(name: str) -> str:
 
     One of :data:`KIND_COLOURS`'s keys; ``"hidden"`` when nothing else matches.
 
-    Example:
+    Examples:
         >>> [tensor_kind(n) for n in ("input.weight", "blocks.0.attn.q.weight",
         ...  "blocks.0.attn.o.weight", "blocks.1.ff.down.weight", "embed.weight")]
         ['input', 'QK weights', 'VO weights', 'FF down', 'input']

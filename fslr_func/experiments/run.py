@@ -6,7 +6,7 @@ record their FSLRs), in muP with the base model's shapes (``mup``,
 from the base record of its learning rate (``flerm``). Its
 result is a small JSON-able dict (``"format": RUN_FORMAT``), the document the cache stores.
 
-Example:
+Examples:
     >>> from fslr_func.experiments.configs import SweepConfig
     >>> config = SweepConfig(scales=(1, 2), lrs=(0.5,), seeds=1, modes=("standard",))
     >>> [s.key for s in grid(config)]
@@ -43,7 +43,7 @@ RUN_VERSION = 1
 class RunSpec(NamedTuple):
     """One run of a sweep.
 
-    Example:
+    Examples:
         >>> RunSpec("flerm", 8.0, 2.0**-10, 1).key
         'flerm_scale=8_lr=0.0009765625_seed=1'
     """
@@ -62,7 +62,7 @@ class RunSpec(NamedTuple):
 def grid(config: SweepConfig) -> list[RunSpec]:
     """Every run of a config, in a stable order.
 
-    Example:
+    Examples:
         >>> from fslr_func.experiments.configs import SweepConfig
         >>> len(grid(SweepConfig(scales=(1, 2), lrs=(0.1, 0.2, 0.3), seeds=2)))
         36
@@ -79,7 +79,7 @@ def grid(config: SweepConfig) -> list[RunSpec]:
 def finite_or_none(x: float) -> float | None:
     """``x``, or ``None`` if it is infinite or NaN (strict JSON has neither).
 
-    Example:
+    Examples:
         >>> finite_or_none(0.5), finite_or_none(float("nan"))
         (0.5, None)
     """
@@ -118,7 +118,7 @@ def _result(
 def unusable(spec: RunSpec) -> dict[str, Any]:
     """The result of a FLeRM run whose base runs all diverged before their first estimate.
 
-    Example:
+    Examples:
         >>> unusable(RunSpec("flerm", 2.0, 0.1, 0))["loss"] is None
         True
     """

@@ -8,7 +8,7 @@ pool of worker processes started with ``spawn``, each given the task and config 
 die with the sweep's process, even when it is killed (``kill -9``): on Linux the kernel sends
 them ``SIGKILL`` when it dies (``prctl(PR_SET_PDEATHSIG)``), elsewhere they poll its pid.
 
-Example:
+Examples:
     >>> import torch
     >>> from fslr_func.experiments import batches
     >>> from fslr_func.experiments.configs import SweepConfig
@@ -56,8 +56,8 @@ from .task import Task
 
 __all__ = ["Finish", "Scheduler", "default_jobs"]
 
-#: ``finish(spec, result, record)``: called in this process with each finished run.
 Finish = Callable[[RunSpec, dict[str, Any], FSLRRecord | None], None]
+"""``finish(spec, result, record)``: called in this process with each finished run."""
 
 _WORKER: dict[str, Any] = {}
 
@@ -114,7 +114,7 @@ def _cpu_count() -> int:
 def default_jobs() -> int:
     """Worker processes used by default: the usable CPU cores, at most 8.
 
-    Example:
+    Examples:
         >>> 1 <= default_jobs() <= 8
         True
     """

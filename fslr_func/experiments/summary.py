@@ -7,7 +7,7 @@ score, and its *shift* from the base to the largest scale is measured in octaves
 smallest or largest rate) may not be the optimum: the scales where that happens are listed in
 ``edge``, and a shift involving one is only a bound (``shift_bound``: ``"lower"`` on its size).
 
-Example:
+Examples:
     >>> from fslr_func.experiments.configs import SweepConfig
     >>> config = SweepConfig(scales=(1, 2), lrs=(0.25, 0.5), seeds=1, modes=("standard",))
     >>> runs = {RunSpec("standard", s, lr, 0).key: {"loss": loss}
@@ -36,7 +36,7 @@ def _seed_mean(cell: list[Mapping[str, Any] | None], field: str) -> float | None
     Each value is divided by the count before the sum, so losses near the float maximum
     average to a finite number (``math.fsum`` of them raises ``OverflowError``).
 
-    Example:
+    Examples:
         >>> _seed_mean([{"loss": 1.0}, {"loss": 2.0}], "loss"), _seed_mean([None], "loss")
         (1.5, None)
         >>> _seed_mean([{"loss": 1.5e308}, {"loss": 1.7e308}], "loss")
@@ -153,7 +153,7 @@ def format_table(summary: Mapping[str, Any]) -> str:
     lower bound ``>=``, explained in a last line. Rows are named ``<scale>x``, or by the
     summary's optional ``"scale_labels"`` (``{scale key: label}``).
 
-    Example:
+    Examples:
         >>> s = {"axis": "width", "scales": [1.0, 8.0], "modes": {
         ...     "standard": {"best_lr": {"1": 0.0625, "8": 0.0078125}, "shift_octaves": -3.0,
         ...                  "best_loss": {"1": 0.9, "8": 0.5}},
@@ -210,7 +210,7 @@ def transferred(
         diverged or is missing; ``bound`` when the largest scale's best rate is on the grid's
         edge (the shift is then a lower bound on its size).
 
-    Example:
+    Examples:
         >>> config = SweepConfig(scales=(1, 2), lrs=(0.25, 0.5), seeds=2, modes=("standard",))
         >>> runs = {RunSpec("standard", s, lr, k).key: {"loss": s * lr + k}
         ...         for s in (1, 2) for lr in (0.25, 0.5) for k in (0, 1)}

@@ -42,7 +42,7 @@ This module is the orchestrator; the pieces, all re-exported here, are
 :mod:`~fslr_func.experiments.schedule` (the order of the runs, the worker processes) and
 :mod:`~fslr_func.experiments.summary` (best learning rates, shifts, the table).
 
-Example:
+Examples:
     >>> import tempfile, torch
     >>> from fslr_func.experiments import batches
     >>> from fslr_func.experiments.configs import SweepConfig

@@ -5,7 +5,7 @@ A task is a model family indexed by scale, its training and probe batches and it
 describes (the paper's ResMLP or transformer on offline data) out of module-level functions
 and :func:`functools.partial`, so that it can be sent to worker processes.
 
-Example:
+Examples:
     >>> import torch
     >>> from fslr_func.experiments import batches
     >>> x, y = torch.randn(64, 6), torch.randint(0, 3, (64,))
@@ -38,8 +38,8 @@ __all__ = ["Batches", "Task", "builtin_task"]
 
 _PROBE_SEED_OFFSET = 1_000_003
 
-#: ``batches(seed)`` -> endless iterable of ``(inputs, target)``.
 Batches = Callable[[int], Iterable[tuple[Any, Tensor]]]
+"""``batches(seed)`` -> endless iterable of ``(inputs, target)``."""
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def _build_transformer(config: SweepConfig, scale: float, seed: int) -> nn.Modul
 def _probe_inputs(train_batches: Batches, seed: int) -> Iterator[Any]:
     """The inputs of the training batches of another seed: probes apart from ``seed``'s batches.
 
-    Example:
+    Examples:
         >>> x, y = torch.arange(8.0).unsqueeze(1), torch.arange(8)
         >>> probe = next(_probe_inputs(functools.partial(batches, x, y, 4), 0))
         >>> torch.equal(probe, next(batches(x, y, 4, _PROBE_SEED_OFFSET))[0])
@@ -127,7 +127,7 @@ def builtin_task(config: SweepConfig) -> Task:
     Raises:
         ConfigError: for an invalid config, or a batch larger than the training set.
 
-    Example:
+    Examples:
         >>> from fslr_func.experiments.configs import SweepConfig
         >>> task = builtin_task(SweepConfig(data="digits", width=16))
         >>> task.name, task.build(2, 0).width

@@ -40,27 +40,27 @@ __all__ = [
     "train",
 ]
 
-#: Optimisers a sweep can name (:func:`make_optimizer`).
 OPTIMIZERS = ("adam", "adamw", "sgd", "signsgd", "adagrad", "adamax")
-#: Learning-rate schedules a sweep can name (:func:`make_schedule`).
+"""Optimisers a sweep can name (:func:`make_optimizer`)."""
 SCHEDULES = ("constant", "cosine", "warmup_cosine")
-#: Momentum of ``"sgd"``.
+"""Learning-rate schedules a sweep can name (:func:`make_schedule`)."""
 SGD_MOMENTUM = 0.9
-#: Fraction of the steps that ``"warmup_cosine"`` warms up over.
+"""Momentum of ``"sgd"``."""
 WARMUP_FRACTION = 0.1
+"""Fraction of the steps that ``"warmup_cosine"`` warms up over."""
 
-#: ``loss_fn(output, target) -> scalar tensor``.
 LossFn = Callable[[Tensor, Tensor], Tensor]
-#: ``on_step(step, model, optimizer)``, called after ``optimizer.step()``.
+"""``loss_fn(output, target) -> scalar tensor``."""
 OnStep = Callable[[int, nn.Module, torch.optim.Optimizer], None]
-#: ``around_step(step)`` -> a context manager wrapping ``optimizer.step()``.
+"""``on_step(step, model, optimizer)``, called after ``optimizer.step()``."""
 AroundStep = Callable[[int], contextlib.AbstractContextManager[Any]]
+"""``around_step(step)`` -> a context manager wrapping ``optimizer.step()``."""
 
 
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     """Mean next-token cross-entropy for ``(..., vocab)`` logits and matching integer targets.
 
-    Example:
+    Examples:
         >>> round(lm_loss(torch.zeros(2, 3, 4), torch.zeros(2, 3, dtype=torch.long)).item(), 4)
         1.3863
     """
@@ -70,7 +70,7 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 class SignSGD(torch.optim.Optimizer):
     r"""Sign gradient descent: :math:`W \leftarrow W - \eta (\operatorname{sign}(g) + \lambda W)`.
 
-    Example:
+    Examples:
         >>> w = nn.Parameter(torch.tensor([1.0, -2.0]))
         >>> w.grad = torch.tensor([0.3, -5.0])
         >>> SignSGD([w], lr=0.5).step()
@@ -99,7 +99,7 @@ def make_optimizer(
     added to the gradient (or, for sign-SGD, to the step) for the others. Param groups keep
     their own ``lr`` and ``weight_decay``.
 
-    Example:
+    Examples:
         >>> type(make_optimizer("adamw", nn.Linear(2, 2).parameters(), 0.1, 0.01)).__name__
         'AdamW'
     """
@@ -121,7 +121,7 @@ def make_optimizer(
 def _schedule_factor(name: str, steps: int, t: int) -> float:
     """The schedule's ratio to the initial rate at step ``t``.
 
-    Example:
+    Examples:
         >>> [round(_schedule_factor("warmup_cosine", 20, t), 3) for t in (0, 1, 2, 11, 19)]
         [0.5, 1.0, 1.0, 0.5, 0.008]
     """
@@ -141,7 +141,7 @@ def make_schedule(
     then a cosine to zero over the rest. Every param group is scaled by the same ratio. Call
     its ``step()`` after each ``optimizer.step()``.
 
-    Example:
+    Examples:
         >>> opt = make_optimizer("adam", nn.Linear(2, 2).parameters(), 1.0)
         >>> sched = make_schedule(opt, "cosine", 4)
         >>> [round(sched.lr_lambdas[0](t), 3) for t in range(4)]
@@ -185,7 +185,7 @@ def train(
     Returns:
         Losses of the steps run, ``len == steps`` unless the run diverged and was stopped.
 
-    Example:
+    Examples:
         >>> _ = torch.manual_seed(0)
         >>> model = nn.Linear(4, 3)
         >>> data = [(torch.randn(8, 4), torch.randint(0, 3, (8,)))] * 50
@@ -231,7 +231,7 @@ def last_mean(losses: Sequence[float], k: int) -> float:
         losses: per-step losses, e.g. from :func:`train`.
         k: window length; the whole list if shorter.
 
-    Example:
+    Examples:
         >>> last_mean([4.0, 3.0, 2.0, 1.0], 2)
         1.5
         >>> last_mean([1.0, float("nan")], 10)

@@ -15,7 +15,7 @@ FSLRs (``fslr/<tensor>``) and FLeRM's rates (``flerm_lr/<tensor>``) are logged w
 ``module.log_dict`` at ``on_train_batch_end``; ``FSLRCallback`` writes
 ``<default_root_dir>/fslr_record.json`` at the end of training.
 
-Example:
+Examples:
     >>> from fslr_func.integrations.lightning import FLeRMCallback
     >>> from fslr_func import FSLRRecord
     >>> base = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"base_lr": 0.1})

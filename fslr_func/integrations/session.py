@@ -6,7 +6,7 @@ construction (checked then), builds ``with_fslr(model)`` and the controller once
 has its optimiser (:meth:`Session.start`), attaches it through the optimiser's step hooks,
 keeps a state loaded before that until it can apply it, and buffers the scalars to log.
 
-Example:
+Examples:
     >>> import torch, fslr_func as ff
     >>> from fslr_func.integrations.session import Session
     >>> net = torch.nn.Linear(4, 2)

@@ -19,7 +19,7 @@ logs and to ``state.log_history``. The ``Trainer`` puts the reporting callbacks 
 ``report_to`` (TensorBoard, W&B...) before yours, so they report the logs before this callback
 adds to them: :func:`log_to_reporters` moves the FSLR callbacks before them.
 
-Example:
+Examples:
     >>> from fslr_func.integrations.transformers import FSLRCallback
     >>> cb = FSLRCallback([{"input_ids": [1, 2, 3]}], every=50)
     >>> cb.session.options
@@ -69,7 +69,7 @@ def log_to_reporters(trainer: Trainer) -> None:
     Raises:
         ValueError: ``trainer`` has no FSLR callback.
 
-    Example:
+    Examples:
         >>> trainer.add_callback(FLeRMCallback(base, probes))  # doctest: +SKIP
         >>> log_to_reporters(trainer)  # doctest: +SKIP
     """

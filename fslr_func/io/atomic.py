@@ -7,7 +7,7 @@ moved over the target with :func:`os.replace`, and the folder is fsynced so that
 survives a power cut. A writer killed mid-write leaves its temporary file behind; the next
 write of the same target deletes it. Errors name the target, never the temporary file.
 
-Example:
+Examples:
     >>> import json, tempfile, pathlib
     >>> folder = pathlib.Path(tempfile.mkdtemp())
     >>> write_json(folder / "a" / "run.json", {"loss": 0.5}, parents=True)
@@ -89,7 +89,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, parents: bool 
         OSError: the folder is missing or not writable, or ``path`` is a folder; the message
             names ``path``, not the temporary file, and no temporary file is left behind.
 
-    Example:
+    Examples:
         >>> import tempfile, pathlib
         >>> folder = pathlib.Path(tempfile.mkdtemp())
         >>> atomic_write_text(folder / "nowhere" / "a.txt", "hi")  # doctest: +ELLIPSIS

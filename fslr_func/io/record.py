@@ -16,7 +16,7 @@ On disk a record is one versioned JSON document, written atomically::
     {"format": "fslr_func.FSLRRecord", "version": 1,
      "steps": [...], "fslr": {name: [...]}, "lrs": {name: [...]}, "sched": [...], "meta": {...}}
 
-Example:
+Examples:
     >>> import os, tempfile
     >>> rec = FSLRRecord(meta={"base_lr": 1e-3, "seed": 0})
     >>> rec.append(0, {"w": 0.5, "b": 0.25})
@@ -120,7 +120,7 @@ class FSLRRecord:
             (name -> list[int]), ``model``, ``library_version``, ``schedule`` and any other
             JSON-able entries.
 
-    Example:
+    Examples:
         >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 2.0]}, meta={"seed": 3})
         >>> len(rec), rec.names, rec.sched, rec.meta["seed"]
         (2, ['w'], [1.0, 1.0], 3)
@@ -195,7 +195,7 @@ class FSLRRecord:
         are the best guess for the very start of training). Raises ValueError if the record is
         empty.
 
-        Example:
+        Examples:
             >>> rec = FSLRRecord(steps=[10, 20], fslr={"w": [1.0, 2.0]})
             >>> rec.at(0), rec.at(19), rec.at(20), rec.at(10**9)
             ({'w': 1.0}, {'w': 1.0}, {'w': 2.0}, {'w': 2.0})
@@ -206,7 +206,7 @@ class FSLRRecord:
     def sched_at(self, step: int) -> float:
         """Scheduler ratio ``lr(t) / lr(0)`` in force at ``step`` (same lookup as :meth:`at`).
 
-        Example:
+        Examples:
             >>> FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 1.0]}, sched=[1.0, 0.1]).sched_at(7)
             0.1
         """
@@ -215,7 +215,7 @@ class FSLRRecord:
     def lrs_at(self, step: int) -> dict[str, float]:
         """Learning rates in force at ``step`` (same lookup as :meth:`at`); empty without ``lrs``.
 
-        Example:
+        Examples:
             >>> rec = FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 1.0]}, lrs={"w": [0.1, 0.01]})
             >>> rec.lrs_at(3), rec.lrs_at(5), FSLRRecord(steps=[0], fslr={"w": [1.0]}).lrs_at(0)
             ({'w': 0.1}, {'w': 0.01}, {})
@@ -296,7 +296,7 @@ class FSLRRecord:
             ValueError: if there are no records, or they differ in tensor names, steps, shapes,
                 lrs names or ``base_lr`` (the message names what differs).
 
-        Example:
+        Examples:
             >>> a = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"seed": 0})
             >>> b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1})
             >>> m = FSLRRecord.mean([a, b])
@@ -463,7 +463,7 @@ class FSLRRecord:
         what is stored, ``sched`` is interpolated linearly between recorded rows and held
         after the last one.
 
-        Example:
+        Examples:
             >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]}, sched=[1.0, 0.5])
             >>> rec.schedule_at(4), rec.schedule_at(20)
             (0.8, 0.5)
@@ -484,7 +484,7 @@ class FSLRRecord:
     def to_rows(self) -> list[dict[str, float]]:
         """One flat dict per recorded step: ``step``, ``sched``, ``fslr/<name>``, ``lr/<name>``.
 
-        Example:
+        Examples:
             >>> FSLRRecord(steps=[0], fslr={"w": [0.5]}, lrs={"w": [0.1]}).to_rows()
             [{'step': 0, 'sched': 1.0, 'fslr/w': 0.5, 'lr/w': 0.1}]
         """
@@ -501,7 +501,7 @@ class FSLRRecord:
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_rows` as CSV (a header row, then one row per step), atomically.
 
-        Example:
+        Examples:
             >>> import os, tempfile
             >>> with tempfile.TemporaryDirectory() as d:
             ...     FSLRRecord(steps=[0], fslr={"w": [0.5]}).to_csv(os.path.join(d, "r.csv"))
@@ -539,7 +539,7 @@ def _mean(values: Sequence[float]) -> float:
     number where ``math.fsum`` raises ``OverflowError``. Equal values (typical for ``lrs`` and
     ``sched``) come back exactly.
 
-    Example:
+    Examples:
         >>> _mean([1.0, 3.0]), _mean([0.1, 0.1, 0.1]), _mean([0.0, 0.0])
         (2.0, 0.1, 0.0)
         >>> _mean([1.7e308, 1.5e308])

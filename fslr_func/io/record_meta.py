@@ -4,7 +4,7 @@ Every :class:`~fslr_func.io.record.FSLRRecord` carries :data:`META_KEYS` (filled
 where unknown); :func:`optimizer_meta` and :func:`grouping_meta` describe an optimiser and a
 grouping in JSON-able form, and FLeRM compares a base record's metadata with the scaled run's.
 
-Example:
+Examples:
     >>> default_meta()["estimator"] is None, "library_version" in default_meta()
     (True, True)
 """
@@ -46,6 +46,7 @@ META_KEYS = (
 
 
 def library_version() -> str:
+    """The installed fslr_func version (the package's own ``__version__`` from a source tree)."""
     try:
         return importlib.metadata.version("fslr_func")
     except importlib.metadata.PackageNotFoundError:
@@ -89,7 +90,7 @@ def jsonable(obj: Any) -> Any:
 def is_learning_rate(value: object) -> bool:
     """Whether ``value`` can be a record's ``base_lr``: a finite int or float ``> 0`` (no bool).
 
-    Example:
+    Examples:
         >>> [is_learning_rate(v) for v in (1e-3, 0, float("nan"), True, "0.1")]
         [True, False, False, False, False]
     """
@@ -110,7 +111,7 @@ def optimizer_meta(optimizer: Any) -> dict[str, Any]:
         "base_lr": lr_0}`` where ``lr_0`` is the first param group's ``initial_lr`` (set by
         schedulers) or, failing that, its ``lr``.
 
-    Example:
+    Examples:
         >>> import torch
         >>> opt = torch.optim.Adam([torch.zeros(2, requires_grad=True)], lr=0.01)
         >>> m = optimizer_meta(opt)
@@ -137,7 +138,7 @@ def grouping_meta(grouping: Grouping) -> str:
     A callable grouping cannot be saved, so it is stored as ``"callable:"`` and its qualified
     name; FLeRM compares groupings by these strings.
 
-    Example:
+    Examples:
         >>> def by_kernel(name, shape):
         ...     return None
         >>> grouping_meta("auto"), grouping_meta(by_kernel)

@@ -34,7 +34,7 @@ with a :class:`DataParallelReduction` hook: every fix to the core holds here too
 sharded with FSDP2 (``fully_shard``) is probed the same way after its parameters and the update
 are all-gathered for the probe's duration (:func:`fslr_func.parallel.fsdp.gathered`).
 
-Example:
+Examples:
     Under ``torchrun --nproc-per-node=2 train.py``, with the process group initialised:
 
     >>> import torch, torch.distributed as dist, fslr_func as ff  # doctest: +SKIP
@@ -89,12 +89,13 @@ __all__ = [
 OmegaDraw = Literal["global", "local"]
 """How ranks draw omega: all of it from one shared generator, or each rank its own slice."""
 OMEGA_DRAWS: tuple[str, ...] = get_args(OmegaDraw)
+"""The names :data:`OmegaDraw` allows: ``"global"`` and ``"local"``."""
 
 
 def is_data_parallel(model: nn.Module) -> bool:
     """Whether ``model`` is a ``DistributedDataParallel`` or ``DataParallel`` wrapper.
 
-    Example:
+    Examples:
         >>> is_data_parallel(torch.nn.Linear(2, 2))
         False
     """
@@ -107,7 +108,7 @@ def unwrap(model: nn.Module) -> nn.Module:
     Probes run on the inner module: the wrapper's forward would prepare gradient
     synchronisation and broadcast buffers, neither of which belongs in a functional probe.
 
-    Example:
+    Examples:
         >>> lin = torch.nn.Linear(2, 2)
         >>> unwrap(torch.nn.DataParallel(lin)) is lin, unwrap(lin) is lin
         (True, True)
@@ -122,15 +123,16 @@ def omega_span(sizes: Sequence[int], rank: int) -> tuple[int, int]:
         sizes: number of output elements of every rank, in rank order.
         rank: this rank.
 
-    Example:
+    Examples:
         >>> omega_span([6, 4, 5], 1)
         (6, 15)
     """
     return int(sum(sizes[:rank])), int(sum(sizes))
 
 
-#: The output size sent by a rank that cannot probe its shard (:meth:`DataParallelReduction.abort`).
 _FAILED = -1
+"""The output size sent by a rank that cannot probe its shard
+(:meth:`DataParallelReduction.abort`)."""
 
 
 def _gather_layout(

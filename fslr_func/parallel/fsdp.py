@@ -19,7 +19,7 @@ Memory: during the probe every rank holds the full parameters at the probed poin
 update (two copies of the model's parameters) besides the probe's own per-chunk gradients,
 which are full-size on every rank as under DDP. Bound the latter with ``chunk_size``.
 
-Example:
+Examples:
     Under ``torchrun --nproc-per-node=2 train.py``, with the process group initialised:
 
     >>> from torch.distributed.fsdp import fully_shard  # doctest: +SKIP
@@ -48,7 +48,7 @@ __all__ = ["full_tensors", "gathered", "is_fully_sharded", "unsharded"]
 def is_fully_sharded(model: nn.Module) -> bool:
     """Whether any parameter of ``model`` is a DTensor (FSDP2 ``fully_shard``).
 
-    Example:
+    Examples:
         >>> is_fully_sharded(torch.nn.Linear(2, 2))
         False
     """
@@ -61,7 +61,7 @@ def full_tensors(tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
     The all-gathers run in sorted name order, so ranks holding the same names stay in step
     whatever the order of their dicts.
 
-    Example:
+    Examples:
         >>> full_tensors({"w": torch.ones(2)})
         {'w': tensor([1., 1.])}
     """

@@ -1,7 +1,7 @@
 """What every distributed piece shares: the process group's rank and size, the device of
 small collectives, and one seed for all ranks.
 
-Example:
+Examples:
     Outside ``torch.distributed.init_process_group`` every piece says what to do:
 
     >>> rank_and_size(None)

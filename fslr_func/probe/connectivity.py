@@ -10,7 +10,7 @@ reached was cut: an error names it and the fix. A tensor the forward never uses 
 head) is not an error: it really does not move the function. The walk and the bookkeeping are
 host-side only (no synchronisation with the device).
 
-Example:
+Examples:
     >>> import torch
     >>> w = torch.ones(3, requires_grad=True)
     >>> with CutFinder({"w": w}) as finder:

@@ -103,7 +103,7 @@ def exact(
             an empty batch, or a forward that cuts measured tensors out of the graph
             (:mod:`fslr_func.probe.connectivity`): their FSLR would silently read 0.
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(3, 2, bias=False)
         >>> x = torch.eye(3)
         >>> delta = {"weight": torch.ones(2, 3)}

@@ -5,7 +5,7 @@ to plain autograd; :func:`fslr_func.probe.exact` from :func:`torch.func.jvp` to 
 fallback gives the same result more slowly, so it warns once per model class and kind of
 fallback, never per step.
 
-Example:
+Examples:
     >>> import warnings, torch
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")

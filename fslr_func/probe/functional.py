@@ -229,7 +229,7 @@ def all_finite(t: Tensor) -> bool:
     the elementwise test run, whose temporaries cost several times ``t`` (0.9 GB for a
     language model's 131M logits). One or two host reads.
 
-    Example:
+    Examples:
         >>> all_finite(torch.tensor([1.0, 2.0])), all_finite(torch.tensor([1.0, float("nan")]))
         (True, False)
         >>> all_finite(torch.tensor([3e38, 3e38]))  # the sum overflows, the entries do not
@@ -289,7 +289,7 @@ def is_dtensor(t: object) -> bool:
 
     Nothing is imported: no DTensor can exist before ``torch.distributed.tensor`` is.
 
-    Example:
+    Examples:
         >>> is_dtensor(torch.zeros(2))
         False
     """

@@ -16,7 +16,7 @@ Records, FLeRM and ``FSLRModule.state_dict`` meet on bare names:
   record shares a name with the model, else with one leading ``_orig_mod.`` or ``module.``
   removed from each, repeatedly, until it does. Only *leading* prefixes are removed.
 
-Example:
+Examples:
     >>> block_index("model.layers.12.mlp.up_proj.weight"), block_index("lm_head.weight")
     (12, None)
     >>> short_list(["a", "b", "c"], limit=2)
@@ -92,7 +92,7 @@ def block_role(name: str, pattern: re.Pattern[str] = _DEFAULT) -> str:
         name: a ``named_parameters()`` name.
         pattern: a compiled block pattern (:func:`compile_block_pattern`).
 
-    Example:
+    Examples:
         >>> block_role("blocks.7.lin.weight"), block_role("readout.bias")
         ('blocks.*.lin.weight', 'readout.bias')
     """
@@ -134,7 +134,7 @@ def unwrapped(
     Returns:
         ``(bare, prefix)``: every name of ``model`` is ``prefix`` + the bare model's name.
 
-    Example:
+    Examples:
         >>> lin = nn.Sequential(nn.Linear(2, 2))
         >>> unwrapped(nn.DataParallel(lin)) == (lin, "module."), unwrapped(lin) == (lin, "")
         (True, True)
@@ -172,7 +172,7 @@ def recorded_names(recorded: Iterable[str], model: Iterable[str]) -> dict[str, s
     Raises:
         ValueError: two recorded names read as one.
 
-    Example:
+    Examples:
         >>> recorded_names(["_orig_mod.w", "_orig_mod.b"], ["w", "b"])
         {'_orig_mod.w': 'w', '_orig_mod.b': 'b'}
         >>> recorded_names(["module.w"], ["module.w"])  # a submodule called ``module``

@@ -7,7 +7,7 @@ arguments (:class:`ProbeKwargs`, typed for the checker) and turn them into one
 whichever entry point received it, before any model code runs. Everything below the entry
 points receives the object.
 
-Example:
+Examples:
     >>> opts = ProbeOptions(samples=4, omega="rademacher", chunk_size=2)
     >>> opts.samples, opts.chunk_size, opts.strategy
     (4, 2, 'auto')
@@ -41,7 +41,10 @@ OmegaKind = Literal["gaussian", "rademacher"]
 Strategy = Literal["auto", "vmap", "loop", "autograd", "timed"]
 """How the vjp is applied to the samples (see :class:`ProbeOptions`)."""
 OMEGAS: tuple[str, ...] = get_args(OmegaKind)
+"""The omega distributions: ``"gaussian"`` (the paper's) and ``"rademacher"``."""
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
+"""The ways of running the samples: ``"auto"``, ``"vmap"``, ``"loop"``, ``"autograd"``,
+``"timed"``."""
 
 
 def _positive_int(value: object) -> bool:

@@ -108,7 +108,7 @@ def fill_omega_(out: Tensor, kind: OmegaKind, generator: torch.Generator | None)
     generator must live on ``out``'s device. Filling a reused buffer row by row draws exactly
     the numbers :func:`draw_omega` would, without allocating a sample.
 
-    Example:
+    Examples:
         >>> buf = torch.empty(2, 3)
         >>> row = fill_omega_(buf[0], "gaussian", torch.Generator().manual_seed(0))
         >>> cpu = torch.device("cpu")
@@ -135,7 +135,7 @@ def draw_omega(
     Drawn in float32 on the generator's device (``device`` without one), then moved to
     ``device`` and ``dtype``: models in bfloat16 and float64 see the same numbers.
 
-    Example:
+    Examples:
         >>> g = torch.Generator().manual_seed(0)
         >>> w = draw_omega(4, "rademacher", g, torch.device("cpu"), torch.float32)
         >>> sorted(set(w.tolist())) in ([-1.0, 1.0], [-1.0], [1.0])
@@ -162,7 +162,7 @@ def chunk_size_for(
     8, sequence 128: 0.5 GB per sample) gets one sample per chunk, so the probe's peak stays
     near one backward pass's, whatever ``S``.
 
-    Example:
+    Examples:
         >>> d = {"w": torch.zeros(64, 64)}
         >>> chunk_size_for(8, 1000, 4, d), chunk_size_for(8, 128_256 * 1024, 4, d)
         (8, 1)
@@ -365,7 +365,7 @@ def probe(
         A :class:`ProbeResult`; its ``strategy`` is the one that ran (pass it back to skip the
         timing on the next probe of the same model).
 
-    Example:
+    Examples:
         >>> model = torch.nn.Linear(3, 2)
         >>> delta = {n: torch.ones_like(p) for n, p in model.named_parameters()}
         >>> r = probe(model, torch.randn(5, 3), delta, samples=4)
@@ -403,7 +403,7 @@ def estimate(
     Returns:
         Tensor name -> float64 scalar FSLR, keyed like ``delta``.
 
-    Example:
+    Examples:
         >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
         <torch._C.Generator object at ...>
         >>> model = torch.nn.Sequential(

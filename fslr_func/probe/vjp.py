@@ -8,7 +8,7 @@ loop (``strategy="auto"`` picks one from the model and device, the same on every
 ``"timed"`` times the two on the first call and keeps the faster). The probe
 (:mod:`fslr_func.probe.sampling`) is built on the two.
 
-Example:
+Examples:
     >>> import torch
     >>> from fslr_func.probe.options import ProbeOptions
     >>> model = torch.nn.Linear(3, 2)
@@ -52,7 +52,9 @@ from .options import ProbeOptions, Strategy
 __all__ = ["TIMED_VMAP_ROWS", "SampleFn", "VjpFn", "VjpSetup", "prepare_vjp"]
 
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
+"""The vjp of the probe's forward: a cotangent of the output to gradients by tensor name."""
 SampleFn = Callable[[Tensor], dict[str, Tensor]]
+"""One omega sample to what the sampling loop keeps of it (statistics by tensor name)."""
 TIMED_VMAP_ROWS = 3
 """Samples vmapped while ``strategy="timed"`` times vmap against the loop on a first chunk."""
 
@@ -66,7 +68,7 @@ def default_strategy(model: nn.Module, device: torch.device) -> Strategy:
     loop (``docs/concepts.md``), which get ``"loop"``. Two runs of the same set-up therefore
     take the same path and agree bit for bit.
 
-    Example:
+    Examples:
         >>> default_strategy(torch.nn.Linear(2, 2), torch.device("cpu"))
         'vmap'
         >>> default_strategy(torch.nn.Conv1d(1, 1, 3), torch.device("cpu"))

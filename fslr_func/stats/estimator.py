@@ -34,9 +34,14 @@ import torch
 from torch import Tensor
 
 Estimator = Literal["kron", "full", "iid"]
+"""The estimators of ``||Delta_W f||^2_RMS``: ``kron`` (tensor-normal), ``full``, ``iid``."""
 ReadoutRole = Literal["weight", "bias"]
+"""A readout tensor's role, which picks its row-independent estimator variant."""
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
+"""The names :data:`Estimator` allows, for validation and messages."""
 Grouping = str | Callable[[str, tuple[int, ...]], Sequence[int] | None]
+"""How a tensor of rank 3 or more is viewed for ``kron``: ``"auto"``, ``"dims"``, ``"matrix"``
+or ``callable(name, shape) -> grouped shape`` (``None``: the tensor's own shape)."""
 GROUPINGS: tuple[str, ...] = ("auto", "dims", "matrix")
 
 
@@ -69,7 +74,7 @@ def grouped_shape(name: str, shape: Sequence[int], grouping: Grouping = "auto") 
     returns a view shape with the same number of elements (``-1`` allowed), or ``None`` to
     keep the tensor's own shape.
 
-    Example:
+    Examples:
         >>> grouped_shape("conv.weight", (8, 3, 5, 5), "matrix")
         (8, 75)
         >>> grouped_shape("conv.weight", (8, 3, 5, 5), "dims")
@@ -117,7 +122,7 @@ def log_statistics(z: Tensor) -> Tensor:
         float64 tensor ``[log q_0, log q_{d=0}, ..., log q_{d=D-1}, log q_full]`` (``-inf``
         where a statistic is exactly zero).
 
-    Example:
+    Examples:
         >>> z = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
         >>> log_statistics(z).exp().round()
         tensor([ 30.,  52.,  58., 100.], dtype=torch.float64)
@@ -139,7 +144,7 @@ def log_statistics(z: Tensor) -> Tensor:
 def mean_log_stats(log_stats: Tensor) -> Tensor:
     """Log of the mean over samples (dim 0) of statistics given in log space.
 
-    Example:
+    Examples:
         >>> ls = torch.tensor([[0.0], [math.log(3.0)]], dtype=torch.float64)
         >>> mean_log_stats(ls).exp()
         tensor([2.], dtype=torch.float64)
@@ -161,7 +166,7 @@ def log_sq_norm(
     Returns:
         A float64 scalar; ``-inf`` when the estimate is exactly zero.
 
-    Example:
+    Examples:
         >>> z = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
         >>> ls = log_statistics(z)
         >>> round(float(log_sq_norm(ls, "kron").exp()), 4)  # 52 * 58 / 30
@@ -198,7 +203,7 @@ def valid_log(log_x: Tensor) -> Tensor:
     ``-inf`` is a statistic of exactly zero (an update that does not move the function) and is
     valid. The result has the leading shape of ``log_x`` and stays on its device (no sync).
 
-    Example:
+    Examples:
         >>> valid_log(torch.tensor([[0.0, -math.inf], [math.nan, 0.0], [math.inf, 1.0]]))
         tensor([ True, False, False])
     """
@@ -212,7 +217,7 @@ def mean_valid_log_stats(log_stats: Tensor) -> Tensor:
     out instead of poisoning the mean; with no valid row the result is NaN, which
     :meth:`EMA.update` then leaves out. Everything stays on the device (no sync).
 
-    Example:
+    Examples:
         >>> ls = torch.tensor([[0.0], [math.log(3.0)], [math.nan]], dtype=torch.float64)
         >>> mean_valid_log_stats(ls).exp()
         tensor([2.], dtype=torch.float64)
@@ -236,7 +241,7 @@ class EMA:
     its ``step`` label in :attr:`last_dropped`. A tensor with ``t = 0`` reads NaN from
     :meth:`value`: nothing valid was measured yet.
 
-    Example:
+    Examples:
         >>> ema = EMA(beta=0.9)
         >>> for _ in range(3):
         ...     ema.update({"w": torch.tensor([0.0, 1.0], dtype=torch.float64)})

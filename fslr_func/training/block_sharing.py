@@ -1,7 +1,7 @@
 """Policies over blocks: :func:`share_blocks` (the paper's depth heuristic) and the paper's two
 ablations, :func:`equal` and :func:`equal_all` (the rules: :mod:`fslr_func.training.policies`).
 
-Example:
+Examples:
     >>> base = {"blocks.0.w": 0.4, "head.w": 0.5}
     >>> share_blocks()(base, ["blocks.0.w", "blocks.1.w", "head.w"])
     {'blocks.0.w': 0.2, 'blocks.1.w': 0.2, 'head.w': 0.5}
@@ -152,7 +152,7 @@ def share_blocks(pattern: str | re.Pattern[str] = DEFAULT_PATTERN) -> Policy:
         A :class:`Policy`. It raises ValueError naming the tensors when block-less names,
         roles, or per-block tensors do not correspond.
 
-    Example:
+    Examples:
         >>> p = share_blocks()
         >>> base = {"layers.0.w": 0.6, "layers.1.w": 0.3}
         >>> p(base, ["layers.0.w", "layers.1.w", "layers.2.w"])  # B=2, L=3
@@ -180,7 +180,7 @@ def equal(total: float = 1.0, *, pattern: str | re.Pattern[str] = DEFAULT_PATTER
     to the scaled model: embedding and readout keep ``total / n_base`` as depth grows and the
     scaled targets still sum to ``total``.
 
-    Example:
+    Examples:
         >>> p = equal()
         >>> base = {"emb": 9.0, "blocks.0.w": 9.0, "blocks.1.w": 9.0, "head": 9.0}
         >>> p(base, ["emb", "blocks.0.w", "blocks.1.w", "blocks.2.w", "blocks.3.w", "head"])
@@ -205,7 +205,7 @@ def equal_all(total: float = 1.0) -> Policy:
     ``target_W = total / n_scaled`` for every scaled tensor. The base record is ignored
     entirely (no name check), so embedding and readout shrink as the model gets deeper.
 
-    Example:
+    Examples:
         >>> equal_all()({}, ["a", "b", "c", "d"])
         {'a': 0.25, 'b': 0.25, 'c': 0.25, 'd': 0.25}
     """

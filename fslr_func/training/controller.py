@@ -24,7 +24,7 @@ A subclass says what happens around the step through four hooks: :meth:`_prepare
 every step), :meth:`_plain` (a context around an unprobed step), :meth:`_measured` (after a
 probed step that moved the weights) and :meth:`_finish` (after, every step).
 
-Example:
+Examples:
     >>> import torch, fslr_func as ff
     >>> class Counter(StepController):
     ...     kind = "Counter"
@@ -81,7 +81,7 @@ def optimizers_of(
         TypeError: something that is not an optimiser (the message says what was given).
         ValueError: the same optimiser twice.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> optimizers_of(opt) == [opt], optimizers_of(None)
         (True, [])
@@ -156,7 +156,7 @@ def check_state(
     Raises:
         ValueError: an unreadable version, or the first option that differs.
 
-    Example:
+    Examples:
         >>> check_state({"version": 2, "config": {"every": 5}}, "FLeRM", (2,), {"every": 10},
         ...             True)  # doctest: +ELLIPSIS
         Traceback (most recent call last):

@@ -35,7 +35,7 @@ Recorder. ``scheduler=`` a scheduler of the scaled run's optimiser: :math:`\math
 is that scheduler's ratio, per param group, ``group["lr"] / group["initial_lr"]``, so every
 scheduler (a plateau's cuts included) acts on FLeRM's rates through the group.
 
-Example:
+Examples:
     >>> import torch, fslr_func as ff
     >>> def run(width, lr, flerm_base=None):
     ...     torch.manual_seed(0)

@@ -16,7 +16,7 @@ one whose FSLR is not finite, or whose rate would overflow its dtype, is held to
 apart. :class:`~fslr_func.training.flerm.FLeRM` applies the result to an optimiser
 (:mod:`fslr_func.training.update_scaling`).
 
-Example:
+Examples:
     >>> m = match({"w": 0.2, "b": 0.0}, {"w": 0.4, "b": 0.1}, lr0=1e-2)
     >>> m.ratios, m.zero, m.nonfinite
     ({'w': 0.5}, ('b',), ())
@@ -75,7 +75,7 @@ def match(
         A :class:`Match`; every name of ``fslrs`` and ``targets`` is in exactly one of its
         fields.
 
-    Example:
+    Examples:
         >>> match({"w": 1.0}, {"w": float("nan")}, lr0=0.1).nonfinite
         ('w',)
     """
@@ -103,7 +103,7 @@ def match(
 def rate(lr0: float, sched: float, ratio: float) -> float:
     r"""FLeRM's learning rate :math:`\eta_0 \, \mathrm{sched}(t) \, r_W`.
 
-    Example:
+    Examples:
         >>> rate(0.01, 1.0, 2.0)
         0.02
     """

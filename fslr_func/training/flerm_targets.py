@@ -18,7 +18,7 @@ every tensor, :math:`\tilde F_b = \mathrm{FSLR}^\text{base}_b`, the paper's rule
 the record's, and it checks, once, that the record can drive this model at all (estimator,
 grouping, architecture, base rate).
 
-Example:
+Examples:
     >>> import torch, fslr_func as ff
     >>> base = ff.FSLRRecord(meta={"base_lr": 0.1, "estimator": "kron"})
     >>> base.append(0, {"weight": 0.5, "bias": 0.25})

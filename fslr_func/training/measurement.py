@@ -7,7 +7,7 @@ tensors moved all stay on the device. :func:`read_estimates` stacks what a readi
 one tensor per parameter (:class:`Row`), reads them all at once, reports the probes left out
 since the last reading in one warning, and returns a :class:`Reading`.
 
-Example:
+Examples:
     >>> import torch
     >>> from fslr_func.stats.estimator import EMA
     >>> ema = EMA(0.9)
@@ -21,7 +21,7 @@ Example:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -49,6 +49,8 @@ class Measurement:
         changed: per tensor, whether the step changed it (a 0-d bool on the device). A tensor
             the step left unchanged (no gradient, a step skipped by a ``GradScaler``) keeps
             its EMA; read as :attr:`moved`.
+        ema: the EMA the estimates come from (set when the block exits).
+        reported: the wrapper's count of drops already warned about, per tensor (shared).
     """
 
     before: dict[str, Tensor]
@@ -57,15 +59,19 @@ class Measurement:
     log_sq: dict[str, Tensor] = field(default_factory=dict)
     folded: dict[str, Tensor] = field(default_factory=dict)
     changed: dict[str, Tensor] = field(default_factory=dict)
-    reader: Callable[[Measurement], Reading] | None = None
+    ema: EMA | None = None
+    reported: dict[str, int] = field(default_factory=dict)
     _reading: Reading | None = None
 
     def read(self) -> Reading:
-        """This step's estimates on the host: one synchronisation, made once and kept."""
+        """This step's estimates on the host: one synchronisation (:func:`read_estimates`),
+        made once and kept; empty before the block exits."""
         if self._reading is None:
-            if self.reader is None:
+            if self.ema is None:
                 return Reading({}, {}, (), ())
-            self._reading = self.reader(self)
+            self._reading = read_estimates(
+                self.log_sq, self.ema, self.folded, self.changed, self.reported
+            )
         return self._reading
 
     @property

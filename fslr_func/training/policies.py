@@ -33,7 +33,7 @@ Provided policies:
 - :func:`equal_all`: the paper's second ablation: every scaled tensor gets
   ``total / n_scaled`` (embedding and readout shrink as depth grows).
 
-Example:
+Examples:
     >>> base = {"embed.weight": 1.0, "blocks.0.lin.weight": 0.4, "blocks.1.lin.weight": 0.2,
     ...         "head.weight": 0.5}
     >>> scaled = ["embed.weight"] + [f"blocks.{i}.lin.weight" for i in range(4)] + ["head.weight"]
@@ -86,7 +86,7 @@ def is_one_to_one(policy: Policy) -> bool:
     A policy declares it with an attribute ``one_to_one = True`` (:func:`identity` does); FLeRM
     then matches a base record of a subset of the model on that subset, and checks tensor ranks.
 
-    Example:
+    Examples:
         >>> is_one_to_one(identity), is_one_to_one(equal())
         (True, False)
     """
@@ -107,7 +107,7 @@ def resolve(policy: PolicySpec) -> Policy:
     Raises:
         ValueError: for an unknown name or a non-callable, listing the valid names.
 
-    Example:
+    Examples:
         >>> resolve(None) is identity, resolve("equal_all").__name__
         (True, 'equal_all(total=1.0)')
     """
@@ -156,7 +156,7 @@ def apply(
             that are not in the scaled model, or gives a value that is not a finite number
             ``> 0`` (``>= 0`` with ``allow_zero``; each offending tensor is named).
 
-    Example:
+    Examples:
         >>> apply(lambda base, scaled: {n: 2 * base[n] for n in scaled}, {"w": 0.5}, ["w"])
         {'w': 1.0}
         >>> apply(lambda base, scaled: {"w": 0.0}, {"w": 0.5}, ["w"])

@@ -3,7 +3,7 @@ one-to-one policy :func:`identity`. The policies over blocks are in
 :mod:`fslr_func.training.block_sharing`; names, resolution and validation in
 :mod:`fslr_func.training.policies`.
 
-Example:
+Examples:
     >>> identity({"w": 0.5, "b": 0.1}, ["w", "b"])
     {'w': 0.5, 'b': 0.1}
 """
@@ -24,28 +24,30 @@ DEFAULT_PATTERN = BLOCK_PATTERN
 
 
 class Policy(Protocol):
-    """A depth-mapping policy: ``policy(base, scaled) -> targets``.
-
-    Args:
-        base: base tensor name -> base FSLR at the current step.
-        scaled: the scaled model's trainable tensor names, in ``named_parameters()`` order.
-
-    Returns:
-        Scaled tensor name -> target FSLR (finite, ``> 0``) for every name in ``scaled``.
-    """
+    """A depth-mapping policy: ``policy(base, scaled) -> targets``."""
 
     def __call__(self, base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
-        """Map every scaled tensor to its target FSLR."""
+        """Map every scaled tensor to its target FSLR.
+
+        Args:
+            base: base tensor name -> base FSLR at the current step.
+            scaled: the scaled model's trainable tensor names, in ``named_parameters()`` order.
+
+        Returns:
+            Scaled tensor name -> target FSLR (finite, ``> 0``) for every name in ``scaled``.
+        """
         ...
 
 
 def check_unique(scaled: Sequence[str]) -> None:
+    """Refuse repeated scaled tensor names (``ValueError`` naming them)."""
     dup = [n for n, c in Counter(scaled).items() if c > 1]
     if dup:
         raise ValueError(f"scaled tensor names must be unique; repeated: {short_list(dup)}")
 
 
 def check_total(total: float) -> float:
+    """``total`` as a float, refused unless finite and ``> 0`` (``ValueError``)."""
     t = float(total)
     if not (math.isfinite(t) and t > 0):
         raise ValueError(f"total must be a finite number > 0, got {total!r}")
@@ -55,6 +57,8 @@ def check_total(total: float) -> float:
 def named(
     fn: Callable[[Mapping[str, float], Sequence[str]], dict[str, float]], name: str
 ) -> Policy:
+    """``fn`` named ``name`` (its ``__name__`` and ``__qualname__``, which messages and saved
+    FLeRM states show)."""
     fn.__name__ = fn.__qualname__ = name
     return fn
 
@@ -69,7 +73,7 @@ def identity(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, f
         ValueError: listing the scaled tensors missing from the base record and the base
             tensors absent from the scaled model (a record from another architecture).
 
-    Example:
+    Examples:
         >>> identity({"w": 0.5, "b": 0.1}, ["w", "b"])
         {'w': 0.5, 'b': 0.1}
         >>> identity({"w": 0.5}, ["w", "v"])

@@ -6,7 +6,7 @@ the first probed step, then one every ``every`` steps); a :class:`ProbeFeed` han
 from the user's iterable and counts them, so that a resumed run draws the same batches as an
 uninterrupted one.
 
-Example:
+Examples:
     >>> plan = ProbePlan.of(warmup_samples=16, samples=8, every=2, start_step=1)
     >>> feed = ProbeFeed(iter([10, 11, 12, 13]))
     >>> [feed.take(plan.probes_at(t)) for t in range(6)]
@@ -39,7 +39,7 @@ class ProbePlan:
         every: period of the single probes after the warm-up; ``None``: warm-up only.
         start_step: the first probed step; earlier steps are not probed.
 
-    Example:
+    Examples:
         >>> plan = ProbePlan.of(warmup_samples=40, samples=8, every=100, start_step=5)
         >>> [plan.probes_at(t) for t in (0, 5, 6, 105, 205, 206)]
         [0, 5, 0, 1, 1, 0]
@@ -86,7 +86,7 @@ class ProbeFeed:
     (e.g. ``experiments.batches(..., generator=seed)``) yields the same batches as an
     uninterrupted run.
 
-    Example:
+    Examples:
         >>> feed = ProbeFeed(iter(range(10)))
         >>> feed.take(2), feed.take(1), feed.used
         ([0, 1], [2], 3)

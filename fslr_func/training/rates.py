@@ -8,7 +8,7 @@ optimiser (:class:`Scaling`), so that whatever else needs a tensor's rate reads
 records FLeRM's rates, and a measurement divides the update by the rate it was taken at
 (:class:`ScaledSince`), in whichever order the two are nested or attached.
 
-Example:
+Examples:
     >>> import torch
     >>> net = torch.nn.Linear(2, 1)
     >>> opt = torch.optim.SGD(net.parameters(), lr=0.1)
@@ -42,7 +42,7 @@ __all__ = [
 def group_lr(group: dict[str, Any]) -> float:
     """A param group's learning rate as a Python float (a tensor rate is read once).
 
-    Example:
+    Examples:
         >>> group_lr({"lr": torch.tensor(0.5)})
         0.5
     """
@@ -116,7 +116,7 @@ def group_rates(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     """The rate of the param group holding each trainable named parameter of ``model`` that
     the optimiser updates (any group layout; parameters it does not hold are left out).
 
-    Example:
+    Examples:
         >>> net = torch.nn.Linear(2, 1)
         >>> opt = torch.optim.SGD([{"params": [net.weight], "lr": 0.1},
         ...                        {"params": [net.bias], "lr": 0.2}])
@@ -136,7 +136,7 @@ def rates_in_force(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     """Each parameter's learning rate: its group's, times FLeRM's factor where FLeRM drives
     the optimiser (:class:`Scaling`).
 
-    Example:
+    Examples:
         >>> net = torch.nn.Linear(2, 1)
         >>> rates_in_force(net, torch.optim.SGD(net.parameters(), lr=0.1))
         {'weight': 0.1, 'bias': 0.1}

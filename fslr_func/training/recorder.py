@@ -14,7 +14,7 @@ recorded step with :math:`\lceil \text{warmup\_samples} / S \rceil` probes of th
 fresh batches (``S`` omega samples per probe; the paper uses 40 samples), then one probe every
 ``every`` steps (the paper: 100). Other steps cost nothing: no snapshot, no probe.
 
-Example:
+Examples:
     >>> import torch, fslr_func as ff
     >>> _ = torch.manual_seed(0)
     >>> fm = ff.with_fslr(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(),
@@ -61,7 +61,7 @@ def schedule_ratio(
     """``lr(t) / lr(0)`` of the first param group: relative to its ``initial_lr`` with a
     scheduler (set to its first rate if the scheduler sets none), else to ``base_lr``.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
         >>> schedule_ratio(opt, None, 1.0)
         0.5

@@ -16,7 +16,7 @@ then abandoned (exited with :class:`StepAborted`: nothing is recorded or scaled)
 pre-hook of that optimiser or at :meth:`StepHooks.detach`, whichever comes first. Steps a
 controller takes itself inside a round do not start a round.
 
-Example:
+Examples:
     >>> import torch
     >>> w = torch.nn.Parameter(torch.ones(2))
     >>> opt = torch.optim.SGD([w], lr=0.1)
@@ -58,7 +58,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
     ``accelerate``'s ``AcceleratedOptimizer`` keeps it as ``.optimizer``, Lightning's
     ``LightningOptimizer`` as ``._optimizer``; anything else is returned as it is.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> class Wrapper:
         ...     optimizer = opt
@@ -77,7 +77,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 def unwrap_scheduler(scheduler: Any) -> Any:
     """The ``torch.optim.lr_scheduler`` scheduler inside ``accelerate``'s wrapper, if any.
 
-    Example:
+    Examples:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
         >>> s = torch.optim.lr_scheduler.StepLR(opt, 1)
         >>> unwrap_scheduler(s) is s

@@ -31,7 +31,7 @@ Since the optimiser's groups keep their own rates, the factors applied are publi
 optimiser (:mod:`fslr_func.training.rates`), where whatever else needs a tensor's rate reads
 them.
 
-Example:
+Examples:
     >>> import torch
     >>> w = torch.nn.Parameter(torch.ones(3))
     >>> opt = torch.optim.SGD([w], lr=0.1)
@@ -89,7 +89,7 @@ def check_scalable(optimizer: torch.optim.Optimizer) -> None:
             tensors of a group through a shared step-size estimate, or has no learning rate
             (transformers' ``Adafactor(lr=None)``); the message says why and what to use.
 
-    Example:
+    Examples:
         >>> w = torch.nn.Parameter(torch.ones(1))
         >>> check_scalable(torch.optim.AdamW([w]))
         >>> check_scalable(torch.optim.Rprop([w]))  # doctest: +ELLIPSIS
@@ -174,7 +174,7 @@ class UpdateScaler:
     Raises:
         ValueError: see :func:`check_scalable`.
 
-    Example:
+    Examples:
         >>> w = torch.nn.Parameter(torch.ones(2))
         >>> opt = torch.optim.SGD([w], lr=0.1)
         >>> scaler = UpdateScaler(opt)

@@ -5,7 +5,7 @@ It picks the wrapper: :class:`~fslr_func.training.wrapper.FSLRModule` for a plai
 (``fully_shard``) one, or when asked for a distributed probe. Either way the probe options
 are validated here, before anything else.
 
-Example:
+Examples:
     >>> import torch, fslr_func as ff
     >>> fm = ff.with_fslr(torch.nn.Linear(4, 2), samples=4, seed=0)
     >>> type(fm).__name__, fm.samples

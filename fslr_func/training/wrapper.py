@@ -6,7 +6,7 @@ param group holding ``W``), probes at the *pre-update* weights (functionally: th
 touched) and folds the probe's statistics into bias-corrected EMAs. Using the unit-rate update
 keeps the EMA consistent when rates change (schedules, FLeRM), as in the paper.
 
-Example:
+Examples:
     >>> import torch, fslr_func as ff
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
     <torch._C.Generator object at ...>
@@ -306,7 +306,7 @@ class FSLRModule(nn.Module):
         m.changed = {n: _changed(m.delta[n]) for n in lrs}
         counts = dict(self.ema.counts)
         self.fold(inputs, m.delta, params=before, step=step, changed=m.changed)
-        m.log_sq, m.reader = self.log_sq(), self._read_measurement
+        m.log_sq, m.ema, m.reported = self.log_sq(), self.ema, self.reported
         m.folded = {n: c - counts[n] if n in counts else c for n, c in self.ema.counts.items()}
 
     def log_sq(self) -> dict[str, Tensor]:
@@ -324,9 +324,6 @@ class FSLRModule(nn.Module):
         reported in one warning naming the step and the tensors.
         """
         return read_estimates(self.log_sq(), self.ema, {}, {}, self.reported).fslr
-
-    def _read_measurement(self, m: Measurement) -> Reading:
-        return read_estimates(m.log_sq, self.ema, m.folded, m.changed, self.reported)
 
     def reset(self) -> None:
         """Forget the EMAs (e.g. after a change of model or task)."""

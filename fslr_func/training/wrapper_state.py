@@ -9,7 +9,7 @@ copied plain ``dict`` does not, and a state dict without it (a bare model's) lea
 wrapper's state as it is. Tensor names inside that state are the bare model's, as records
 have them (:mod:`fslr_func.probe.names`).
 
-Example:
+Examples:
     >>> import torch, fslr_func as ff
     >>> fm = ff.with_fslr(torch.nn.Linear(2, 1), samples=2, seed=0)
     >>> sorted(fm.state_dict())
@@ -29,7 +29,8 @@ from ..stats.estimator import EMA, ReadoutRole
 
 __all__ = ["STATE_VERSION", "extra_state", "load_bare", "load_extra_state", "save_bare"]
 
-STATE_VERSION = 3  # 3: tensor names are the bare model's (fslr_func.probe.names)
+STATE_VERSION = 3
+"""Version of the wrapper's saved state (3: tensor names are the bare model's)."""
 _EXTRA = "_extra_state"
 _METADATA_KEY = "fslr_state"  # the wrapper's state, in the state dict's metadata
 

@@ -1,9 +1,9 @@
 """A 200-step training run with a Recorder or a periodic FLeRM, checkpointed atomically, that
 meets a NaN probe batch and a skipped optimiser step, and can be killed (``kill -9`` of itself)
-at a given step. ``tests/test_fault_injection.py`` runs it in a subprocess, kills it, resumes
+at a given step. ``tests/io/test_fault_injection.py`` runs it in a subprocess, kills it, resumes
 it in-process from the last checkpoint and compares with an undisturbed run.
 
-Usage: ``python tests/_fault_run.py record|flerm DIR KILL_AT`` (``KILL_AT`` -1: never).
+Usage: ``python tests/io/_fault_run.py record|flerm DIR KILL_AT`` (``KILL_AT`` -1: never).
 """
 
 from __future__ import annotations
