@@ -8,7 +8,8 @@ batch (the math: :mod:`fslr_func.parallel.data_parallel`). :func:`fslr_func.with
 docs/distributed.md.
 """
 
-from .parallel.data_parallel import (
+from .parallel import data_parallel
+from .parallel.data_parallel import (  # noqa: F401 (re-exported through __all__ below)
     OMEGA_DRAWS,
     DataParallelReduction,
     OmegaDraw,
@@ -23,16 +24,8 @@ from .parallel.process_group import broadcast_seed, collective_device
 from .training.distributed import DistributedFSLRModule
 
 __all__ = [
-    "OMEGA_DRAWS",
-    "DataParallelReduction",
+    *data_parallel.__all__,
     "DistributedFSLRModule",
-    "OmegaDraw",
-    "all_reduce_gradients",
     "broadcast_seed",
     "collective_device",
-    "estimate",
-    "is_data_parallel",
-    "omega_span",
-    "probe",
-    "unwrap",
 ]

@@ -25,29 +25,22 @@ Examples:
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any
 
 import lightning.pytorch as pl
 from torch.utils.data import DataLoader
 
-from ..io.record import FSLRRecord
-from .session import Session
+from .session import DrivingCallback, RecordingCallback, Session
 
 __all__ = ["FLeRMCallback", "FSLRCallback"]
 
 
 class _Callback(pl.Callback):
-    def __init__(
-        self,
-        base: FSLRRecord | str | os.PathLike[str] | None,
-        probe_dataset: Iterable[Any],
-        fslr_options: Mapping[str, Any] | None,
-        options: Mapping[str, Any],
-    ) -> None:
-        self.probe_dataset = probe_dataset
-        self.session = Session(base, fslr_options=fslr_options, options=options)
+    """Lightning's hooks over the session (the constructors: :mod:`.session`)."""
+
+    probe_dataset: Iterable[Any]
+    session: Session
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         probes = self.probe_dataset
@@ -87,7 +80,7 @@ class _Callback(pl.Callback):
         self.session.load_state_dict(state_dict)
 
 
-class FSLRCallback(_Callback):
+class FSLRCallback(RecordingCallback, _Callback):
     """Records the run's FSLRs into ``<default_root_dir>/fslr_record.json``.
 
     Args:
@@ -96,22 +89,13 @@ class FSLRCallback(_Callback):
         **recorder_options: options of :class:`fslr_func.Recorder`.
     """
 
-    def __init__(
-        self,
-        probe_dataset: Iterable[Any],
-        *,
-        fslr_options: Mapping[str, Any] | None = None,
-        **recorder_options: Any,
-    ) -> None:
-        super().__init__(None, probe_dataset, fslr_options, recorder_options)
-
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         if trainer.is_global_zero:
             self.session.save_record(trainer.default_root_dir)
 
 
-class FLeRMCallback(_Callback):
+class FLeRMCallback(DrivingCallback, _Callback):
     """Sets the per-tensor learning rates with FLeRM from a base record (or a path to one).
 
     Args:
@@ -120,13 +104,3 @@ class FLeRMCallback(_Callback):
         fslr_options: options of :func:`fslr_func.with_fslr`.
         **flerm_options: options of :class:`fslr_func.FLeRM`.
     """
-
-    def __init__(
-        self,
-        base: FSLRRecord | str | os.PathLike[str],
-        probe_dataset: Iterable[Any],
-        *,
-        fslr_options: Mapping[str, Any] | None = None,
-        **flerm_options: Any,
-    ) -> None:
-        super().__init__(base, probe_dataset, fslr_options, flerm_options)

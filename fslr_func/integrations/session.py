@@ -39,7 +39,14 @@ from ..training.step_hooks import StepHooks
 from ..training.wrap import with_fslr
 from ..training.wrapper import FSLRModule
 
-__all__ = ["RECORD_FILE", "STATE_FILE", "Session", "load_base"]
+__all__ = [
+    "RECORD_FILE",
+    "STATE_FILE",
+    "DrivingCallback",
+    "RecordingCallback",
+    "Session",
+    "load_base",
+]
 
 RECORD_FILE = "fslr_record.json"
 """Name of the base record a recording callback writes into the trainer's output folder."""
@@ -171,3 +178,67 @@ class Session:
         if state:
             self.controller.load_state_dict(state["controller"])
             self.fm.set_extra_state(state["fm"])
+
+
+class _SessionCallback:
+    """What both frameworks' callbacks hold: the probe dataset and a :class:`Session`. A
+    framework's callback class may set ``default_fslr_options``: options of
+    :func:`fslr_func.with_fslr` it sets by default (the user's win)."""
+
+    def _open(
+        self,
+        base: FSLRRecord | str | os.PathLike[str] | None,
+        probe_dataset: Iterable[Any],
+        fslr_options: Mapping[str, Any] | None,
+        options: Mapping[str, Any],
+    ) -> None:
+        self.probe_dataset = probe_dataset
+        self.session = Session(
+            base,
+            fslr_options={**getattr(self, "default_fslr_options", {}), **(fslr_options or {})},
+            options=options,
+        )
+
+
+class RecordingCallback(_SessionCallback):
+    """The constructor of the ``FSLRCallback`` of every framework: a recording session.
+
+    Args:
+        probe_dataset: model inputs (a dataset or a ``DataLoader``), separate from training.
+        fslr_options: options of :func:`fslr_func.with_fslr` (``samples``, ``seed``...).
+        **recorder_options: options of :class:`fslr_func.Recorder` (``every``,
+            ``warmup_samples``, ``start_step``, ``base_lr``, ``meta``).
+    """
+
+    def __init__(
+        self,
+        probe_dataset: Iterable[Any],
+        *,
+        fslr_options: Mapping[str, Any] | None = None,
+        **recorder_options: Any,
+    ) -> None:
+        self._open(None, probe_dataset, fslr_options, recorder_options)
+
+
+class DrivingCallback(_SessionCallback):
+    """The constructor of the ``FLeRMCallback`` of every framework: a FLeRM session.
+
+    Args:
+        base: the base run's :class:`~fslr_func.io.record.FSLRRecord`, or a path to one (the
+            ``fslr_record.json`` an ``FSLRCallback`` wrote).
+        probe_dataset: model inputs (a dataset or a ``DataLoader``), separate from training.
+        fslr_options: options of :func:`fslr_func.with_fslr`; use the base run's estimator and
+            grouping.
+        **flerm_options: options of :class:`fslr_func.FLeRM` (``policy``, ``mode``, ``every``,
+            ``warmup_samples``, ``start_step``, ``min_fslr``).
+    """
+
+    def __init__(
+        self,
+        base: FSLRRecord | str | os.PathLike[str],
+        probe_dataset: Iterable[Any],
+        *,
+        fslr_options: Mapping[str, Any] | None = None,
+        **flerm_options: Any,
+    ) -> None:
+        self._open(base, probe_dataset, fslr_options, flerm_options)

@@ -32,15 +32,14 @@ import inspect
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 from torch.utils.data import DataLoader
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
-from ..io.record import FSLRRecord
-from .session import STATE_FILE, Session
+from .session import STATE_FILE, DrivingCallback, RecordingCallback, Session
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -101,18 +100,12 @@ class _ProbeInputs:
 
 
 class _Callback(TrainerCallback):
-    def __init__(
-        self,
-        base: FSLRRecord | str | os.PathLike[str] | None,
-        probe_dataset: Iterable[Any],
-        fslr_options: Mapping[str, Any] | None,
-        options: Mapping[str, Any],
-    ) -> None:
-        self.probe_dataset = probe_dataset
-        self.session = Session(
-            base, fslr_options={"output_fn": logits, **(fslr_options or {})}, options=options
-        )
-        self.before_reporters = False
+    """The Trainer's hooks over the session (the constructors: :mod:`.session`)."""
+
+    default_fslr_options: ClassVar[Mapping[str, Any]] = {"output_fn": logits}
+    before_reporters = False
+    probe_dataset: Iterable[Any]
+    session: Session
 
     def on_train_begin(
         self,
@@ -185,7 +178,7 @@ class _Callback(TrainerCallback):
         self.session.stop()
 
 
-class FSLRCallback(_Callback):
+class FSLRCallback(RecordingCallback, _Callback):
     """Records the Trainer's run into an FSLR record (``output_dir/fslr_record.json``).
 
     Args:
@@ -201,15 +194,6 @@ class FSLRCallback(_Callback):
             is the record once training has begun.
     """
 
-    def __init__(
-        self,
-        probe_dataset: Iterable[Any],
-        *,
-        fslr_options: Mapping[str, Any] | None = None,
-        **recorder_options: Any,
-    ) -> None:
-        super().__init__(None, probe_dataset, fslr_options, recorder_options)
-
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
@@ -223,7 +207,7 @@ class FSLRCallback(_Callback):
         self.session.save_record(_out(args))
 
 
-class FLeRMCallback(_Callback):
+class FLeRMCallback(DrivingCallback, _Callback):
     """Sets the Trainer's per-tensor learning rates with FLeRM from a base record.
 
     The Trainer's scheduler (warm-up from 0 included) multiplies the matched rates; FLeRM's set
@@ -238,13 +222,3 @@ class FLeRMCallback(_Callback):
         **flerm_options: options of :class:`fslr_func.FLeRM` (``policy``, ``mode``,
             ``every``, ``warmup_samples``, ``start_step``, ``min_fslr``).
     """
-
-    def __init__(
-        self,
-        base: FSLRRecord | str | os.PathLike[str],
-        probe_dataset: Iterable[Any],
-        *,
-        fslr_options: Mapping[str, Any] | None = None,
-        **flerm_options: Any,
-    ) -> None:
-        super().__init__(base, probe_dataset, fslr_options, flerm_options)

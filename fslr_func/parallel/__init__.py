@@ -2,7 +2,3 @@
 probe gradients), process-group helpers and FSDP2 gathering. The public face of this layer is
 :mod:`fslr_func.distributed`.
 """
-
-from .data_parallel import OMEGA_DRAWS, DataParallelReduction, OmegaDraw, estimate, probe
-
-__all__ = ["OMEGA_DRAWS", "DataParallelReduction", "OmegaDraw", "estimate", "probe"]

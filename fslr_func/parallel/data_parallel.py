@@ -65,7 +65,7 @@ from ..probe.options import ProbeOptions
 from ..probe.sampling import OmegaSlice, ProbeResult, run_probe
 from ..stats.estimator import Estimator, check_estimator
 from .fsdp import gathered
-from .process_group import ProcessGroup, broadcast_seed, collective_device, rank_and_size
+from .process_group import ProcessGroup, collective_device, rank_and_size
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -77,8 +77,6 @@ __all__ = [
     "DataParallelReduction",
     "OmegaDraw",
     "all_reduce_gradients",
-    "broadcast_seed",
-    "collective_device",
     "estimate",
     "is_data_parallel",
     "omega_span",

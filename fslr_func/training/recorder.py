@@ -246,20 +246,16 @@ class Recorder(StepController):
             )
             return
         moved_set = set(moved)
-        still = [n for n in names if n not in moved_set]
-        if still:
-            self._note(
-                f"still {still}",
-                f"Recorder: step {step}: {still[:10]} did not move (frozen, no gradient or rate "
-                "0): their row keeps the previous estimate (0 if they never moved)",
-            )
-        new = [n for n in moved if n not in fslr]
-        if new:
-            self._note(
-                f"new {new}",
-                f"Recorder: step {step}: {new[:10]} were not trainable at the first recorded "
-                "step and are not in the record",
-            )
+        notes = {
+            "did not move (frozen, no gradient or rate 0): their row keeps the previous "
+            "estimate (0 if they never moved)": [n for n in names if n not in moved_set],
+            "were not trainable at the first recorded step and are not in the record": [
+                n for n in moved if n not in fslr
+            ],
+        }
+        for what, which in notes.items():
+            if which:
+                self._note(f"{what} {which}", f"Recorder: step {step}: {which[:10]} {what}")
         self.record.append(step, fslr, lrs={n: lrs.get(n, 0.0) for n in names}, sched=sched)
         if self.log_fn is not None:
             self.log_fn(step, {f"fslr/{n}": v for n, v in fslr.items()})
