@@ -68,6 +68,6 @@ def test_any_name_the_filesystem_allows(tmp_path: Path, length: int, char: str) 
 
 def test_a_name_past_the_limit_is_the_filesystems_error_naming_the_file(tmp_path: Path) -> None:
     path = tmp_path / ("a" * (os.pathconf(tmp_path, "PC_NAME_MAX") + 1))
-    with pytest.raises(OSError, match="cannot write .*File name too long") as info:
+    with pytest.raises(OSError, match=r"cannot write .*File name too long") as info:
         _record(1).save(path)
     assert ".tmp" not in str(info.value)

@@ -74,7 +74,7 @@ def test_shapes_property_and_normalisation() -> None:
     [
         ({"steps": [0, 0], "fslr": {"w": [1.0, 1.0]}}, "strictly increasing"),
         ({"steps": [1, 0], "fslr": {"w": [1.0, 1.0]}}, "strictly increasing"),
-        ({"steps": [0, 1], "fslr": {"w": [1.0]}}, r"fslr\['w'\] has 1 values but the record has 2 steps"),
+        ({"steps": [0, 1], "fslr": {"w": [1.0]}}, r"fslr\['w'\] has 1 values but the record has 2"),
         ({"steps": [0], "fslr": {"w": [math.nan]}}, "finite"),
         ({"steps": [0], "fslr": {"w": [-1.0]}}, ">= 0"),
         ({"steps": [0], "fslr": {"w": [1.0]}, "sched": [1.0, 1.0]}, "sched has 2 values"),
