@@ -177,15 +177,15 @@ class FSLRRecord:
             True
             >>> print(rec.past_end(25, "set point"))  # doctest: +NORMALIZE_WHITESPACE
             set point 25 is past the end of the base record (2 rows, steps 0 to 10; it covers
-            steps up to 10): the values of step 10 are reused
+            steps up to 10): its last values are reused
         """
         last = self.last_step
         if step <= last:
             return None
         return (
             f"{what} {step} is past the end of the base record ({len(self)} rows, steps "
-            f"{self.steps[0]} to {self.steps[-1]}; it covers steps up to {last}): the values of "
-            f"step {self.steps[-1]} are reused"
+            f"{self.steps[0]} to {self.steps[-1]}; it covers steps up to {last}): its last "
+            "values are reused"
         )
 
     def at(self, step: int, *, unknown: Fallback = "error") -> dict[str, float]:
@@ -198,11 +198,11 @@ class FSLRRecord:
             step: a training step.
             unknown: what to do with a tensor whose FSLR is unknown in that row: ``"error"``
                 (raise, naming it), ``"nearest"`` (its nearest known value: the latest earlier
-                row, else the earliest later one) or ``"omit"`` (leave it out).
+                row, else the earliest later one; left out if it is unknown at every row) or
+                ``"omit"`` (leave it out).
 
         Raises:
-            ValueError: the record is empty; an unknown FSLR with ``unknown="error"``, or
-                with ``"nearest"`` for a tensor unknown at every row.
+            ValueError: the record is empty, or an unknown FSLR with ``unknown="error"``.
 
         Example:
             >>> rec = FSLRRecord(steps=[10, 20], fslr={"w": [1.0, 2.0], "b": [None, 3.0]})
@@ -211,35 +211,23 @@ class FSLRRecord:
             >>> rec.at(10)  # doctest: +ELLIPSIS
             Traceback (most recent call last):
             ...
-            ValueError: the record's FSLR of ['b'] is unknown at step 10 (row 0, step 10): the ...
+            ValueError: the record's FSLR of ['b'] is unknown at step 10 (row 0, step 10): ...
         """
         if unknown not in ("error", "nearest", "omit"):
             raise ValueError(f"unknown must be 'error', 'nearest' or 'omit', got {unknown!r}")
         i = self._row(step)
         out: dict[str, float] = {}
-        missing: list[str] = []
         for name, values in self.fslr.items():
-            value = values[i]
-            if value is None and unknown == "nearest":
-                value = _nearest(values, i)
+            value = _nearest(values, i) if unknown == "nearest" else values[i]
             if value is not None:
                 out[name] = value
-            elif unknown != "omit":
-                missing.append(name)
-        if missing:
-            never = unknown == "nearest"
+        missing = [n for n in self.fslr if n not in out]
+        if missing and unknown == "error":
             raise ValueError(
-                f"the record's FSLR of {short_list(missing)} is unknown "
-                + ("at every row" if never else f"at step {step} (row {i}, step {self.steps[i]})")
-                + ": the base run could not measure it (no finite probe, or the tensor never "
-                "moved); "
-                + (
-                    "freeze it in the scaled run too, hold it (FLeRM(..., unknown='hold')) "
-                    if never
-                    else "choose a fallback (FLeRM(..., unknown='nearest' or 'hold'); "
-                    "record.at(step, unknown='nearest' or 'omit')) "
-                )
-                + "or re-record the base run"
+                f"the record's FSLR of {short_list(missing)} is unknown at step {step} (row {i}, "
+                f"step {self.steps[i]}): the base run could not measure it (no finite probe, or "
+                "the tensor never moved); choose a fallback (FLeRM(..., unknown='nearest' or "
+                "'hold'); record.at(step, unknown='nearest' or 'omit')) or re-record the base run"
             )
         return out
 
@@ -484,20 +472,23 @@ class FSLRRecord:
 
         A :class:`~fslr_func.recorder.Recorder` stores the ratio at every training step in
         ``meta["sched_per_step"]`` (index = step): that value, exactly. Between and beyond
-        what is stored, ``sched`` is interpolated linearly between recorded rows and held
-        after the last one (:meth:`past_end` says when a step is past it).
+        what is stored, ``sched`` is interpolated linearly between recorded rows; past the
+        end (:meth:`past_end`) the last value is held: the per-step one if it goes further
+        than the rows.
 
         Example:
             >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]}, sched=[1.0, 0.5])
             >>> rec.schedule_at(4), rec.schedule_at(20)
             (0.8, 0.5)
-            >>> rec.meta["sched_per_step"] = [0.0, 0.25]
-            >>> rec.schedule_at(1)
-            0.25
+            >>> rec.meta["sched_per_step"] = [1.0] * 11 + [0.25] * 9
+            >>> rec.schedule_at(12), rec.schedule_at(10**6)
+            (0.25, 0.25)
         """
         per_step = self.meta.get("sched_per_step") or []
         if 0 <= step < len(per_step):
             return float(per_step[step])
+        if per_step and self.steps and step >= len(per_step) > self.steps[-1]:
+            return float(per_step[-1])
         i = self._row(step)
         if step <= self.steps[i] or i + 1 == len(self.steps):
             return self.sched[i]
