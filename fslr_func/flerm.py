@@ -174,6 +174,14 @@ class FLeRM:
             record's); built before or after FLeRM.
         min_fslr: FSLRs or targets ``<= min_fslr`` count as zero: the tensor keeps its current
             rate (one warning per tensor).
+        unknown: what to do where the base record's FSLR of a tensor FLeRM drives is unknown
+            (the base run could not measure it: no finite probe, or it never moved):
+            ``"error"`` (refuse at construction, naming the tensors and steps),
+            ``"nearest"`` (use its nearest known value in the record) or ``"hold"`` (keep it
+            at its group's rate, with a note).
+        past_end: set points and base-schedule lookups past the record's last step
+            (:meth:`~fslr_func.record.FSLRRecord.past_end`) reuse its last values with one
+            warning (``"warn"``) or raise (``"error"``, for exactness).
         log_fn: called after every step as ``log_fn(step, {"flerm_lr/<tensor>": rate, ...})``,
             with ``fslr/<tensor>`` (the scaled model's FSLRs) added at set points.
 
@@ -207,6 +215,8 @@ class FLeRM:
         start_step: int = 0,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         min_fslr: float = 1e-12,
+        unknown: Literal["error", "nearest", "hold"] = "error",
+        past_end: Literal["warn", "error"] = "warn",
         log_fn: LogFn | None = None,
     ) -> None:
         if not isinstance(fm, FSLRModule):
@@ -219,6 +229,11 @@ class FLeRM:
             raise ValueError(f"mode must be 'static' or 'periodic', got {mode!r}")
         if not (isinstance(min_fslr, (int, float)) and math.isfinite(min_fslr) and min_fslr >= 0):
             raise ValueError(f"min_fslr must be a finite number >= 0, got {min_fslr!r}")
+        if unknown not in ("error", "nearest", "hold"):
+            raise ValueError(f"unknown must be 'error', 'nearest' or 'hold', got {unknown!r}")
+        if past_end not in ("warn", "error"):
+            raise ValueError(f"past_end must be 'warn' or 'error', got {past_end!r}")
+        self.unknown, self.past_end = unknown, past_end
         if not isinstance(probe_batches, Iterable):
             raise TypeError(
                 "probe_batches must be an iterable of probe inputs (a DataLoader, a list, a "
@@ -261,6 +276,8 @@ class FLeRM:
             "scheduler": None if scheduler is None else type(self.scheduler).__name__,
             "base": hashlib.sha256(base_json).hexdigest()[:16],
         }
+        self._base_end = base.last_step
+        self._check_unknown(start_step, periodic=mode == "periodic")
         self._targets(start_step)  # fail now, not at the set point, on a mismatched record
 
     def _adopt_groups(self) -> None:
@@ -346,6 +363,44 @@ class FLeRM:
                     f"under the identity policy: {bad[:10]}"
                 )
 
+    def _check_unknown(self, start_step: int, periodic: bool) -> None:
+        """Refuse a base record whose FSLR is unknown, at a row FLeRM will read, for a tensor
+        it drives (unless ``unknown="hold"``, or ``"nearest"`` and the tensor has a known
+        value somewhere); the tensors and their steps are named."""
+        rows = self.base.unknown_steps(start_step, None if periodic else start_step)
+        if policies.is_one_to_one(self._policy):
+            driven = {self._bare[n] for n in self.names}
+            rows = {b: s for b, s in rows.items() if self._base_names.get(b) in driven}
+        if self.unknown == "nearest":
+            rows = {b: s for b, s in rows.items() if b not in self.base.at(0, unknown="nearest")}
+        if rows and self.unknown != "hold":
+            listed = "; ".join(f"{b!r} at steps {s[:5]}" for b, s in list(rows.items())[:10])
+            raise ValueError(
+                f"the base record's FSLR is unknown for tensors FLeRM drives: {listed} (the base "
+                "run could not measure them: no finite probe, or they never moved, e.g. frozen "
+                "or at rate 0); choose a fallback: FLeRM(..., unknown='nearest') uses each "
+                "tensor's nearest known value, unknown='hold' keeps it at its group's rate; or "
+                "freeze it in the scaled run too, or re-record the base"
+            )
+
+    def _check_covers(self, step: int, what: str) -> None:
+        """Past the record's last step: warn once per kind of lookup, or raise (``past_end``)."""
+        if step <= self._base_end:
+            return
+        message = self.base.past_end(step, what)
+        if self.past_end == "error":
+            raise ValueError(
+                f"FLeRM: {message}; past_end='error' asks for exactness: record a base run as "
+                "long as this one, or pass past_end='warn'"
+            )
+        if what not in self._warned:
+            self._warned.add(what)
+            warnings.warn(
+                f"FLeRM: {message} (warned once; past_end='error' makes it an error)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
     def _targets(self, step: int) -> dict[str, float]:
         r"""Policy targets :math:`T_W` at ``step``; a zero target is allowed (the tensor is held).
 
@@ -355,13 +410,22 @@ class FLeRM:
         is exactly 1, so records with one base rate give exactly the base FSLRs. Base tensors
         without a recorded rate count as running at :math:`\eta_0`.
         """
-        fslr = self.base.at(step)
+        self._check_covers(step, "FLeRM set point")
+        fslr = self.base.at(step, unknown="nearest" if self.unknown == "nearest" else "omit")
         rates = self.base.lrs_at(step)
         sched = self.base.sched_at(step)
         moved = {
             self._base_names[b]: f * (rates[b] / self.lr0 / sched) if b in rates else f
             for b, f in fslr.items()
         }
+        if self.unknown == "hold":  # (with "error", _check_unknown left none FLeRM drives)
+            lacking = [self._base_names[b] for b in self.base.names if b not in fslr]
+            moved.update(dict.fromkeys(lacking, 0.0))  # a zero target: held at the group's rate
+            self._note(
+                lacking,
+                f"FLeRM step {step}: the base record's FSLR of {{}} is unknown; they keep "
+                "their group's learning rate (unknown='hold')",
+            )
         # the policy maps the whole model (an optimiser may hold a subset: Muon + AdamW); under
         # the identity policy a base record of a subset is matched on that subset
         bare = self._bare
@@ -463,6 +527,8 @@ class FLeRM:
             )
         self._adopt_groups()
         n = max(self.plan.probes_at(self.t), self._owed)
+        if self.scheduler is None:
+            self._check_covers(self.t, "the base schedule at step")
         rates = self._rates_at(self.t)
         if n and not any(lr for lr, _ in rates.values()):
             self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
