@@ -439,7 +439,10 @@ class FSLRRecord:
             PermissionError: ``path`` is a read-only file.
         """
         document = self.to_dict()
-        FSLRRecord.from_dict(document, source="the record to save")
+        try:
+            FSLRRecord(**{k: document[k] for k in schema.FIELDS})
+        except ValueError as err:
+            raise ValueError(f"cannot save the record: {err}") from err
         try:
             text = json.dumps(document, allow_nan=False)
         except (TypeError, ValueError) as err:
@@ -455,7 +458,7 @@ class FSLRRecord:
 
         Raises:
             FileNotFoundError: if there is no such file.
-            ValueError: if the file is damaged or truncated (not strict JSON, missing or
+            ValueError: if the file is damaged or truncated (not valid JSON, missing or
                 invalid fields: the field, the row and the fix named), is not an
                 FSLRRecord, or was written by a newer fslr_func.
         """

@@ -18,10 +18,11 @@ Fields of a record with ``n`` rows (``docs/records.md`` has the full table):
   number ``> 0``, ``estimator`` one of the estimators, ``sched_per_step`` finite ratios
   ``>= 0``...), any other key is the user's.
 
-On disk a record is strict JSON (``NaN`` and ``Infinity`` are not JSON: an unknown value is
-``null``), ``{"format": FORMAT, "version": VERSION, "steps": ..., "fslr": ..., "lrs": ...,
-"sched": ..., "meta": ...}``. Version 1 (before unknown values existed) is read as is and
-written back as version 2; other versions are refused, naming theirs.
+On disk a record is JSON, ``{"format": FORMAT, "version": VERSION, "steps": ..., "fslr": ...,
+"lrs": ..., "sched": ..., "meta": ...}``: ``NaN`` and ``Infinity`` are refused wherever they
+are, naming the field (an unknown value is ``null``), and so is a key given twice. Version 1
+(before unknown values existed) is read as is and written back as version 2; other versions are
+refused, naming theirs.
 
 Example:
     >>> check_fslr({"w": [0.5, None]}, [0, 10])
@@ -284,6 +285,17 @@ def _str(v: object) -> bool:
     return isinstance(v, str)
 
 
+def _finite_floats(v: object) -> bool:
+    """No NaN or infinity anywhere in ``v`` (JSON has none: a user's meta entry)."""
+    if isinstance(v, float):
+        return math.isfinite(v)
+    if isinstance(v, Mapping):
+        return all(_finite_floats(x) for x in v.values())
+    if isinstance(v, (list, tuple)):
+        return all(_finite_floats(x) for x in v)
+    return True
+
+
 META_SCHEMA: dict[str, tuple[Callable[[object], bool], str]] = {
     "base_lr": (_optional(_positive_number), "a finite number > 0 (lr_0), or null"),
     "optimizer": (_optional(_str), "the optimiser's class name, or null"),
@@ -317,9 +329,10 @@ def check_meta(meta: object) -> dict[str, Any]:
     if not isinstance(meta, Mapping):
         raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
     out = dict(meta)
-    for key, (check, what) in META_SCHEMA.items():
-        if key in out and not check(out[key]):
-            raise ValueError(f"meta[{key!r}] is {out[key]!r}: it must be {what}; {_FIX}")
+    for key, value in out.items():
+        check, what = META_SCHEMA.get(key, (_finite_floats, "JSON (null, not NaN or Infinity)"))
+        if not check(value):
+            raise ValueError(f"meta[{key!r}] is {value!r}: it must be {what}; {_FIX}")
     if "shapes" in out:
         out["shapes"] = {k: [int(d) for d in s] for k, s in out["shapes"].items()}
     if "sched_per_step" in out:
@@ -328,13 +341,6 @@ def check_meta(meta: object) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------- documents
-
-
-def _no_constant(name: str) -> None:
-    raise ValueError(
-        f"{name} is not a JSON value: a record holds finite numbers, and null where an FSLR is "
-        "unknown"
-    )
 
 
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
@@ -347,13 +353,16 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 
 def parse_json(raw: bytes, source: str) -> Any:
-    """Strict JSON: no ``NaN``/``Infinity``, no key given twice; errors name ``source``.
+    """JSON with no key given twice; errors name ``source``.
+
+    ``NaN`` and ``Infinity`` (not JSON, but what a careless writer leaves) are read as
+    floats, so that the schema refuses them naming the field and the row.
 
     Example:
-        >>> parse_json(b'{"a": NaN}', "'r.json'")  # doctest: +ELLIPSIS
+        >>> parse_json(b'{"a": 1, "a": 2}', "'r.json'")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: 'r.json' is damaged: NaN is not a JSON value: a record holds finite ...
+        ValueError: 'r.json' is damaged: the key 'a' appears twice in one object; keep one ...
     """
     try:
         text = raw.decode("utf-8")
@@ -363,7 +372,7 @@ def parse_json(raw: bytes, source: str) -> Any:
             "written by FSLRRecord.save"
         ) from err
     try:
-        return json.loads(text, parse_constant=_no_constant, object_pairs_hook=_unique_keys)
+        return json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
         raise ValueError(
             f"{source} is damaged or truncated: it is not valid JSON ({err}); it may have been "

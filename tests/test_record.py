@@ -201,7 +201,11 @@ def test_save_rejects_non_json_meta_without_touching_file(tmp_path: Path) -> Non
     with pytest.raises(ValueError, match="JSON-able"):
         rec.save(path)
     rec.meta["bad"] = math.nan
-    with pytest.raises(ValueError, match="JSON-able"):
+    with pytest.raises(ValueError, match=r"cannot save the record: meta\['bad'\] is nan"):
+        rec.save(path)
+    del rec.meta["bad"]
+    rec.fslr["a"][0] = -1.0  # changed after construction
+    with pytest.raises(ValueError, match=r"cannot save the record: fslr\['a'\] row 0"):
         rec.save(path)
     assert path.read_bytes() == before
     assert os.listdir(tmp_path) == ["r.json"]
@@ -320,8 +324,8 @@ def test_flerm_with_absurd_base_fslr_holds_instead_of_overflowing_adam() -> None
     fm = ff.with_fslr(net, samples=4, seed=0)
     opt = torch.optim.Adam(fm.parameters(), lr=0.01)
     fslr = {n: [1e300 if n == "0.weight" else 0.1] for n, _ in net.named_parameters()}
-    flerm = ff.FLeRM(fm, opt, FSLRRecord(steps=[0], fslr=fslr, meta={"base_lr": 0.01}),
-                     probe_batches=[torch.randn(16, 4)], warmup_samples=4)  # fmt: skip
+    base = FSLRRecord(steps=[0], fslr=fslr, meta={"base_lr": 0.01, "sched_per_step": [1.0] * 2})
+    flerm = ff.FLeRM(fm, opt, base, probe_batches=[torch.randn(16, 4)], warmup_samples=4)
     x = torch.randn(16, 4)
     with pytest.warns(RuntimeWarning, match=r"too large.*'0\.weight'"):
         for _ in range(2):
