@@ -410,7 +410,7 @@ class FLeRM:
         is exactly 1, so records with one base rate give exactly the base FSLRs. Base tensors
         without a recorded rate count as running at :math:`\eta_0`.
         """
-        self._check_covers(step, "FLeRM set point")
+        self._check_covers(step, "set point")
         fslr = self.base.at(step, unknown="nearest" if self.unknown == "nearest" else "omit")
         rates = self.base.lrs_at(step)
         sched = self.base.sched_at(step)

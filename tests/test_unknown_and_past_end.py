@@ -156,7 +156,7 @@ def test_set_points_and_schedule_past_the_record_warn_once_or_raise() -> None:
     assert len(past) == 2, past  # once for the schedule, once for the set points
     assert "the base schedule at step 4 is past the end of the base record (2 rows, steps 0 " \
         "to 2; it covers steps up to 3)" in past[0]  # fmt: skip
-    assert "FLeRM set point 4 is past the end" in past[1]
+    assert "FLeRM: set point 4 is past the end" in past[1]
     with pytest.warns(RuntimeWarning, match="unknown"):
         flerm, (fm, opt) = _scaled(base, unknown="hold", past_end="error")
     with pytest.raises(ValueError, match=r"schedule at step 4 is past the end.*past_end='error'"):
@@ -166,5 +166,5 @@ def test_set_points_and_schedule_past_the_record_warn_once_or_raise() -> None:
 
 def test_a_start_step_past_the_record_is_named_at_construction() -> None:
     base = _frozen_first_base(steps=4)
-    with pytest.raises(ValueError, match="FLeRM set point 10 is past the end"):
+    with pytest.raises(ValueError, match="FLeRM: set point 10 is past the end"):
         _scaled(base, unknown="hold", start_step=10, past_end="error")
