@@ -39,13 +39,10 @@ import json
 import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from .estimator import ESTIMATORS
 from .names import short_list
-
-if TYPE_CHECKING:
-    from .record import FSLRRecord
 
 __all__ = [
     "FIELDS",
@@ -53,6 +50,7 @@ __all__ = [
     "META_SCHEMA",
     "UNKNOWN",
     "VERSION",
+    "Series",
     "check_compatible",
     "check_document",
     "check_fslr",
@@ -444,7 +442,23 @@ _SAME_META = ("estimator", "grouping", "optimizer", "base_lr", "model", "schedul
 """Meta keys records must share to be averaged (``None``: not recorded, matches anything)."""
 
 
-def check_compatible(records: Sequence[FSLRRecord]) -> None:
+class Series(Protocol):
+    """The parts of a record :func:`check_compatible` reads."""
+
+    @property
+    def steps(self) -> Sequence[int]: ...
+
+    @property
+    def fslr(self) -> Mapping[str, object]: ...
+
+    @property
+    def lrs(self) -> Mapping[str, object]: ...
+
+    @property
+    def meta(self) -> Mapping[str, Any]: ...
+
+
+def check_compatible(records: Sequence[Series]) -> None:
     """Refuse to average records of different runs: the message names what differs.
 
     Records averaged over seeds must have the same tensors, steps, shapes and lrs tensors, and
