@@ -66,21 +66,17 @@ def records(draw: st.DrawFn, min_steps: int = 0) -> FSLRRecord:
     )
 
 
-@given(records())
-def test_any_record_that_loads_round_trips_exactly(rec: FSLRRecord) -> None:
-    path = Path(_tmp()) / "r.json"
+@given(rec=records())
+def test_any_record_that_loads_round_trips_exactly(
+    tmp_path_factory: pytest.TempPathFactory, rec: FSLRRecord
+) -> None:
+    path = tmp_path_factory.getbasetemp() / "round_trip.json"
     rec.save(path)
     text = path.read_bytes()
     back = FSLRRecord.load(path)
     assert back == rec and back.names == rec.names
     back.save(path)
     assert path.read_bytes() == text  # byte for byte
-
-
-def _tmp() -> str:
-    import tempfile
-
-    return tempfile.mkdtemp(prefix="wt21-schema-")
 
 
 def _paths(doc: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
@@ -151,11 +147,11 @@ def _named(path: tuple[Any, ...], deleted: bool) -> list[str]:
     return [top]
 
 
-@given(records(min_steps=1), st.data())
+@given(rec=records(min_steps=1), data=st.data())
 def test_any_mutation_loads_to_the_same_meaning_or_is_refused_naming_the_field(
-    rec: FSLRRecord, data: st.DataObject
+    tmp_path_factory: pytest.TempPathFactory, rec: FSLRRecord, data: st.DataObject
 ) -> None:
-    path = Path(_tmp()) / "r.json"
+    path = tmp_path_factory.getbasetemp() / "mutated.json"
     original = json.loads(json.dumps(rec.to_dict()))
     # format and version: test_older_and_newer_versions; half the edits hit a value of a series
     paths = [p for p in _paths(original) if p[0] not in ("format", "version")]
@@ -187,8 +183,8 @@ def test_any_mutation_loads_to_the_same_meaning_or_is_refused_naming_the_field(
         assert _same({k: got[k] for k in FIELDS}, _meaning(doc)), (where, value)
 
 
-def test_older_and_newer_versions() -> None:
-    path = Path(_tmp()) / "r.json"
+def test_older_and_newer_versions(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
     doc = FSLRRecord(steps=[0, 5], fslr={"w": [0.5, 0.25]}).to_dict()
     path.write_text(json.dumps({**doc, "version": 1}))  # version 1 had no unknown values
     assert FSLRRecord.load(path) == FSLRRecord.from_dict(doc)
@@ -198,8 +194,8 @@ def test_older_and_newer_versions() -> None:
             FSLRRecord.load(path)
 
 
-def test_nan_and_duplicate_keys_are_refused_naming_where() -> None:
-    path = Path(_tmp()) / "r.json"
+def test_nan_and_duplicate_keys_are_refused_naming_where(tmp_path: Path) -> None:
+    path = tmp_path / "r.json"
     doc = FSLRRecord(steps=[0, 5], fslr={"w": [0.5, 0.25]}, sched=[1.0, 0.5]).to_dict()
     for field, value, named in [
         ("sched", [1.0, math.nan], r"sched row 1 \(step 5\) is nan"),
