@@ -128,7 +128,7 @@ def _movement(record: FSLRRecord) -> dict[str, float]:
     logs: dict[str, list[float]] = {}
     for step in (s for s in record.steps if s >= 1):
         rates = record.lrs_at(step)
-        for name, f in record.at(step).items():
+        for name, f in record.at(step, unknown="omit").items():
             if name in rates and f > 0:
                 logs.setdefault(name, []).append(math.log(rates[name] * f))
     return {n: math.exp(sum(v) / len(v)) for n, v in logs.items()}

@@ -40,10 +40,12 @@ from .configs import (
     AXES,
     DATA,
     DEMO,
+    DEPTH_AXES,
     FLERM_INITS,
     MODELS,
     MODES,
     NORMS,
+    WIDTH_AXES,
     ConfigError,
     SweepConfig,
 )
@@ -116,29 +118,135 @@ def parse_lrs(text: str) -> tuple[float, ...]:
     return tuple(out)
 
 
-def _scales(text: str) -> tuple[float, ...]:
+LR_RANGE = (2.0**-40, 2.0**10)
+"""Learning rates the command accepts (every sweep rate, ``fslr check --lr``)."""
+
+SCALE_RANGE = (2.0**-6, 2.0**10)
+"""Scale multipliers the command accepts."""
+
+MAX_WIDTH = 2**13
+"""Largest width (base width times scale) of a built-in model."""
+
+MAX_DEPTH = 2**9
+"""Largest number of blocks (base depth times scale) of a built-in model."""
+
+MAX_VALUES = 256
+"""Most learning rates or scales one sweep takes."""
+
+INT_RANGES: dict[str, tuple[int, int]] = {
+    "steps": (1, 10**6),
+    "seeds": (1, 100),
+    "width": (1, MAX_WIDTH),
+    "depth": (1, MAX_DEPTH),
+    "batch_size": (1, 2**16),
+    "num_samples": (100, 10**6),
+    "seq_len": (2, 2**12),
+    "last": (1, 10**6),
+    "samples": (1, 2**12),
+    "warmup_samples": (1, 2**16),
+    "every": (1, 10**6),
+    "jobs": (1, 256),
+    "seed": (0, 2**32 - 1),
+}
+"""Accepted range of every whole-number option, both ends included."""
+
+FLOAT_RANGES: dict[str, tuple[float, float]] = {
+    "lr": LR_RANGE,
+    "init_scale": (2.0**-20, 2.0**20),
+    "weight_decay": (0.0, 10.0),
+    "threshold": (1.0, 2.0**20),
+}
+"""Accepted range of every number option, both ends included (``threshold`` excludes 1)."""
+
+
+def _range(lo: float, hi: float) -> str:
+    """``[lo, hi]`` as the messages show it (``2^k`` for powers of two).
+
+    Example:
+        >>> _range(2.0**-40, 1024.0), _range(1, 100), _range(0.0, 10.0), _range(2.0**-6, 0.5)
+        ('[2^-40, 2^10]', '[1, 100]', '[0, 10]', '[2^-6, 2^-1]')
+    """
+
+    def show(x: float) -> str:
+        k = math.log2(x) if x > 0 else 0.5
+        if k.is_integer() and (k < 0 or k >= 10):
+            return f"2^{int(k)}"
+        return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+    return f"[{show(lo)}, {show(hi)}]"
+
+
+def _in_range(value: float, lo: float, hi: float, what: str, text: str) -> None:
+    if not lo <= value <= hi:
+        raise argparse.ArgumentTypeError(f"{what} in {_range(lo, hi)}, got {text!r}")
+
+
+def _accepted(parse: Any, what: str, lo: float, hi: float) -> Any:
+    """``parse`` whose errors end with the accepted range."""
+
+    def checked(text: str) -> Any:
+        try:
+            return parse(text)
+        except argparse.ArgumentTypeError as err:
+            if " in [" in str(err):
+                raise
+            raise argparse.ArgumentTypeError(
+                f"{err}; accepted: {what} in {_range(lo, hi)}"
+            ) from None
+
+    checked.__name__ = getattr(parse, "__name__", what)
+    return checked
+
+
+def _values(text: str, what: str, lo: float, hi: float) -> tuple[float, ...]:
+    """A comma list of numbers, each in ``[lo, hi]``, at most :data:`MAX_VALUES`."""
     values = tuple(_number(item) for item in text.split(","))
-    bad = [v for v in values if v <= 0]
-    if bad:
-        raise argparse.ArgumentTypeError(f"scales must be > 0, got {bad[0]:g}")
+    if len(values) > MAX_VALUES:
+        raise argparse.ArgumentTypeError(f"at most {MAX_VALUES} {what}, got {len(values)}")
+    for v in values:
+        _in_range(v, lo, hi, f"{what} must be", f"{v:g}")
     return values
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+_scales = _accepted(lambda text: _values(text, "scales", *SCALE_RANGE), "scales", *SCALE_RANGE)
+_lrs = _accepted(
+    lambda text: _values(",".join(repr(v) for v in parse_lrs(text)), "learning rates", *LR_RANGE),
+    "learning rates",
+    *LR_RANGE,
+)
 
 
-def _positive_float(text: str) -> float:
-    value = _number(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value:g}")
-    return value
+def _integer(field: str) -> Any:
+    """argparse type: a whole number in ``INT_RANGES[field]``."""
+    lo, hi = INT_RANGES[field]
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip(), 10)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text.strip()[:40]!r} is not a whole number"
+            ) from None
+        _in_range(value, lo, hi, "must be a whole number", text.strip())
+        return value
+
+    parse.__name__ = field  # argparse names the type in its own messages
+    return _accepted(parse, "a whole number", lo, hi)
+
+
+def _real(field: str) -> Any:
+    """argparse type: a number (or ``2^k``) in ``FLOAT_RANGES[field]``."""
+    lo, hi = FLOAT_RANGES[field]
+
+    def parse(text: str) -> float:
+        value = _number(text)
+        _in_range(value, lo, hi, "must be a number", text.strip())
+        if field == "threshold" and value == 1.0:
+            raise argparse.ArgumentTypeError("the factor must be > 1, got 1")
+        return value
+
+    parse.__name__ = field
+    return _accepted(parse, "a number", lo, hi)
 
 
 def _modes(text: str) -> tuple[str, ...]:
@@ -168,19 +276,26 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "axis": ("--axis", {"choices": AXES, "help": "what to scale (the smallest scale is the base)"}),
     "scales": (
         "--scales",
-        {"type": _scales, "metavar": "S,S,...", "help": "scale multipliers, e.g. 1,2,4,8"},
+        {
+            "type": _scales,
+            "metavar": "S,S,...",
+            "help": f"scale multipliers in {_range(*SCALE_RANGE)}, e.g. 1,2,4,8",
+        },
     ),
     "lrs": (
         "--lrs",
         {
-            "type": parse_lrs,
+            "type": _lrs,
             "metavar": "LRS",
             "help": "learning rates: comma list of numbers or 2^k, or LO..HI (one per octave), "
-            "LO..HI/N (N per octave), e.g. 2^-13..2^-5",
+            f"LO..HI/N (N per octave), e.g. 2^-13..2^-5; each in {_range(*LR_RANGE)}",
         },
     ),
-    "steps": ("--steps", {"type": _positive_int, "help": "optimiser steps per run"}),
-    "seeds": ("--seeds", {"type": _positive_int, "help": "seeds per run (base records averaged)"}),
+    "steps": ("--steps", {"type": _integer("steps"), "help": "optimiser steps per run"}),
+    "seeds": (
+        "--seeds",
+        {"type": _integer("seeds"), "help": "seeds per run (base records averaged)"},
+    ),
     "data": (
         "--data",
         {
@@ -188,18 +303,18 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
             "help": "mnist1d or digits (resmlp), text (transformer)",
         },
     ),
-    "width": ("--width", {"type": _positive_int, "help": "base width (ResMLP units, d_model)"}),
-    "depth": ("--depth", {"type": _positive_int, "help": "base number of residual blocks"}),
+    "width": ("--width", {"type": _integer("width"), "help": "base width (ResMLP units, d_model)"}),
+    "depth": ("--depth", {"type": _integer("depth"), "help": "base number of residual blocks"}),
     "init_scale": (
         "--init-scale",
-        {"type": _positive_float, "help": "base init scale of the block weights"},
+        {"type": _real("init_scale"), "help": "base init scale of the block weights"},
     ),
-    "batch_size": ("--batch-size", {"type": _positive_int, "help": "training batch size"}),
+    "batch_size": ("--batch-size", {"type": _integer("batch_size"), "help": "training batch size"}),
     "num_samples": (
         "--num-samples",
-        {"type": _positive_int, "help": "MNIST-1D samples generated (train + test)"},
+        {"type": _integer("num_samples"), "help": "MNIST-1D samples generated (train + test)"},
     ),
-    "seq_len": ("--seq-len", {"type": _positive_int, "help": "transformer context length"}),
+    "seq_len": ("--seq-len", {"type": _integer("seq_len"), "help": "transformer context length"}),
     "norm": (
         "--norm",
         {
@@ -210,16 +325,19 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "last": (
         "--last",
-        {"type": _positive_int, "help": "a run's loss is the mean over its last LAST batches"},
+        {"type": _integer("last"), "help": "a run's loss is the mean over its last LAST batches"},
     ),
-    "samples": ("--samples", {"type": _positive_int, "help": "omega samples per FSLR probe"}),
+    "samples": ("--samples", {"type": _integer("samples"), "help": "omega samples per FSLR probe"}),
     "warmup_samples": (
         "--warmup-samples",
-        {"type": _positive_int, "help": "omega samples of the EMA warm-up (paper: 40)"},
+        {
+            "type": _integer("warmup_samples"),
+            "help": "omega samples of the EMA warm-up (paper: 40)",
+        },
     ),
     "every": (
         "--every",
-        {"type": _positive_int, "help": "base runs record FSLRs every EVERY steps"},
+        {"type": _integer("every"), "help": "base runs record FSLRs every EVERY steps"},
     ),
     "modes": ("--modes", {"type": _modes, "help": "which modes to run, comma-separated"}),
     "strategy": (
@@ -235,7 +353,7 @@ _OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "weight_decay": (
         "--weight-decay",
-        {"type": _number, "help": "weight decay (decoupled for adamw)"},
+        {"type": _real("weight_decay"), "help": "weight decay (decoupled for adamw)"},
     ),
     "schedule": (
         "--schedule",
@@ -277,21 +395,15 @@ def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: s
             if (isinstance(default, tuple))
             else default
         )
-        p.add_argument(
-            flag,
-            dest=field,
-            default=None,
-            **{
-                **kwargs,
-                "help": kwargs["help"]
-                if default is None
-                else f"{kwargs['help']} (default: {shown})",
-            },
-        )
+        bounds = INT_RANGES.get(field) or FLOAT_RANGES.get(field)
+        notes = [f"in {_range(*bounds)}"] if bounds else []
+        notes += [] if default is None else [f"default: {shown}"]
+        help_text = f"{kwargs['help']} ({'; '.join(notes)})" if notes else kwargs["help"]
+        p.add_argument(flag, dest=field, default=None, **{**kwargs, "help": help_text})
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default: {out})")
     p.add_argument(
         "--jobs",
-        type=_positive_int,
+        type=_integer("jobs"),
         default=None,
         help="worker processes, one single-threaded run each (default: the CPU cores, at most 8)",
     )
@@ -350,11 +462,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         flag, kwargs = _OPTIONS[field]
         check.add_argument(flag, dest=field, default=None, **kwargs)
     check.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default: adam)")
-    check.add_argument("--lr", type=_positive_float, default=2.0**-6, help="(default: 2^-6)")
     check.add_argument(
-        "--steps", type=_positive_int, default=10, help="steps per run, >= 2 (default: 10)"
+        "--lr", type=_real("lr"), default=2.0**-6, help=f"in {_range(*LR_RANGE)} (default: 2^-6)"
     )
-    check.add_argument("--seed", type=int, default=0, help="seed of every run (default: 0)")
+    check.add_argument(
+        "--steps", type=_integer("steps"), default=10, help="steps per run, >= 2 (default: 10)"
+    )
+    check.add_argument(
+        "--seed", type=_integer("seed"), default=0, help="seed of every run (default: 0)"
+    )
     check.add_argument(
         "--modes",
         type=_check_modes,
@@ -362,11 +478,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         help="standard, mup and/or flerm, comma-separated (default: standard,flerm)",
     )
     check.add_argument(
-        "--every", type=_positive_int, default=1, help="probe every EVERY steps (default: 1)"
+        "--every", type=_integer("every"), default=1, help="probe every EVERY steps (default: 1)"
     )
     check.add_argument(
         "--threshold",
-        type=_positive_float,
+        type=_real("threshold"),
         default=2.0,
         help="flag tensors whose movement changes by more than this factor (default: 2)",
     )
@@ -383,6 +499,23 @@ def _config(args: argparse.Namespace, demo: bool) -> SweepConfig:
     return SweepConfig.for_model(model, **given)
 
 
+def _check_size(config: SweepConfig, parser: argparse.ArgumentParser) -> None:
+    """Refuse a sweep whose largest model exceeds :data:`MAX_WIDTH` or :data:`MAX_DEPTH`."""
+    top = max(config.scales)
+    sizes = [
+        ("width", "--width", config.width, MAX_WIDTH, WIDTH_AXES),
+        ("depth", "--depth", config.depth, MAX_DEPTH, DEPTH_AXES),
+    ]
+    for what, flag, base, limit, axes in sizes:
+        largest = base * top if config.axis in axes else base
+        if largest > limit:
+            where = "--scales" if config.axis in axes and base <= limit else flag
+            parser.error(
+                f"argument {where}: the largest model would have {what} {largest:g}; accepted: "
+                f"{flag} x the largest scale in [1, {limit}]"
+            )
+
+
 def _note(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -394,6 +527,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
         config = _config(args, demo).validate()
     except ConfigError as err:
         parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
+    _check_size(config, parser)
     norm = "" if config.norm == "prenorm" else f"-{config.norm}"
     policy = "" if config.flerm_policy is None else f"-{config.flerm_policy}"
     init = "" if config.flerm_init == "standard" else f"-{config.flerm_init}init"
@@ -473,6 +607,8 @@ def _plot(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         parser.error(f"argument path: {str(path)!r} does not exist")
     if path.is_dir() and not (path / "sweep.json").exists():
         parser.error(f"argument path: {str(path)!r} is not a sweep folder (no sweep.json)")
+    if not path.is_dir() and not path.is_file():  # a device, a pipe: never read forever
+        parser.error(f"argument path: {str(path)!r} is not a file: pass a record JSON file")
     try:
         if path.is_dir():
             written = plot_sweep(path, args.out)
@@ -497,13 +633,19 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         if getattr(args, f) is not None
     }
     if args.steps < 2:
-        parser.error("argument --steps: must be at least 2 (step 0 is FLeRM's set point)")
+        parser.error(
+            f"argument --steps: must be in [2, {INT_RANGES['steps'][1]}] (step 0 is FLeRM's "
+            f"set point), got {args.steps}"
+        )
     try:
         config = SweepConfig.for_model(
             args.model or "resmlp", lrs=(args.lr,), steps=args.steps, last=1, **given
         ).validate()
     except ConfigError as err:
         parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
+    _check_size(config, parser)
+    if args.every > args.steps:
+        parser.error(f"argument --every: must be in [1, --steps={args.steps}], got {args.every}")
     out: Path = args.out or Path("fslr_runs") / "check"
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
@@ -542,11 +684,13 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``fslr`` console script; returns the exit status.
 
-    Bad arguments exit with status 2 and a message naming the argument.
+    Bad arguments exit with status 2 and a last line naming the argument and its accepted
+    range. Nothing ends in a traceback: an unexpected error is one line and status 1
+    (``FSLR_TRACEBACK=1`` in the environment shows the traceback).
     """
     parser, subs = build_parser()
-    args = parser.parse_args(argv)
     try:
+        args = parser.parse_args(argv)
         if args.command == "plot":
             return _plot(args, subs["plot"])
         if args.command == "check":
@@ -554,6 +698,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _run(args, subs[args.command], demo=args.command == "demo")
     except ImportError as err:
         print(f"fslr: error: {err}", file=sys.stderr)
+        return 1
+    except Exception as err:  # never a traceback; FSLR_TRACEBACK=1 shows it (a bug: report it)
+        if os.environ.get("FSLR_TRACEBACK"):
+            raise
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        print(
+            f"fslr: error: {type(err).__name__}: {reason} (unexpected: run again with "
+            "FSLR_TRACEBACK=1 to see where, and report it)",
+            file=sys.stderr,
+        )
         return 1
 
 

@@ -270,8 +270,9 @@ def plot_fslr_time(
     for name, values in record.fslr.items():
         k = kind(name)
         colour = KIND_COLOURS.get(k) or seen.get(k) or next(extra)
-        ys = [v * lr for v, lr in zip(values, record.lrs[name], strict=True)] if scaled else values
-        pts = [(s, y) for s, y in zip(record.steps, ys, strict=True) if y > 0]
+        lrs = record.lrs[name] if scaled else [1.0] * len(values)
+        # unknown FSLRs (None) are not drawn, nor zeros (log scale)
+        pts = [(s, v * lr) for s, v, lr in zip(record.steps, values, lrs, strict=True) if v]
         if not pts:
             continue
         ax.plot(

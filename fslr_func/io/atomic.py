@@ -1,11 +1,21 @@
 """Atomic file writes: a reader sees the old file or the new one, never a truncated one.
 
 Every file the library saves (records, sweep runs, summaries) goes through
-:func:`atomic_write_text`: the text is written to a temporary file in the target's folder,
-flushed and fsynced, given the target's permissions (an existing file's, else the umask's),
-moved over the target with :func:`os.replace`, and the folder is fsynced so that the rename
-survives a power cut. A writer killed mid-write leaves its temporary file behind; the next
-write of the same target deletes it. Errors name the target, never the temporary file.
+:func:`atomic_write_text`, which behaves like the editors and tools people trust:
+
+- a symbolic link is followed (the whole chain): the file it points to is replaced, and the
+  link stays a link;
+- the text is written to a temporary file in the target's folder, flushed and fsynced, given
+  the target's permissions (and, where allowed, its owner; the umask's for a new file), moved
+  over the target with :func:`os.replace`, and the folder is fsynced so that the rename
+  survives a power cut: a reader sees the old file or the new one, whole, never a mix;
+- a read-only target (no write permission for this user, or none for anyone) is refused,
+  never silently replaced;
+- any name the filesystem allows works: the temporary name is shortened (with a hash of the
+  name) to fit the folder's name limit (``NAME_MAX``, 255 bytes on most filesystems).
+
+A writer killed mid-write leaves its temporary file behind; the next write of the same target
+deletes it. Errors name the target, never the temporary file.
 
 Examples:
     >>> import json, tempfile, pathlib
@@ -19,8 +29,10 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import hashlib
 import json
 import os
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -59,35 +71,92 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def _remove_leftovers(target: Path) -> None:
-    """Delete the temporary files of earlier writes of ``target`` whose writer has died.
+def _name_limit(folder: Path) -> int:
+    """The longest file name, in bytes, ``folder``'s filesystem allows (255 if unknown)."""
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (AttributeError, OSError, ValueError):  # no pathconf (Windows), or no answer
+        return 255
 
-    A temporary file is named ``.<name>.<pid>.<random>.tmp`` after the process writing it; a
-    writer killed between creating it and the rename (``kill -9``, a power cut) leaves it
-    behind. Files of live processes (a concurrent write of the same target) are kept.
+
+def _temp_prefix(name: str, limit: int) -> str:
+    """``.<name>.``, the start of every temporary name of target ``name``, shortened to fit.
+
+    A temporary name is the prefix, the writer's pid, a dot, 8 random characters and
+    ``.tmp``; when that could exceed ``limit`` bytes, ``name`` is cut (on a character
+    boundary) and a hash of the whole name keeps prefixes of different targets apart.
+
+    Example:
+        >>> _temp_prefix("r.json", 255)
+        '.r.json.'
+        >>> p = _temp_prefix("x" * 250, 255)
+        >>> len(p.encode()) + 7 + 1 + 8 + 4 <= 255, p[-10]
+        (True, '~')
     """
-    prefix = f".{target.name}."
-    for leftover in target.parent.glob(f"{glob.escape(prefix)}*.tmp"):
+    room = limit - (7 + 1 + 8 + 4)  # pid (up to 7 digits), ".", random part, ".tmp"
+    encoded = name.encode("utf-8", "surrogateescape")
+    if len(encoded) + 2 <= room:
+        return f".{name}."
+    digest = hashlib.sha256(encoded).hexdigest()[:8]
+    head = encoded[: room - 2 - 9].decode("utf-8", "ignore")  # "~" + 8 hex digits
+    return f".{head}~{digest}."
+
+
+def _remove_leftovers(folder: Path, prefix: str) -> None:
+    """Delete the temporary files of earlier writes of a target whose writer has died.
+
+    A temporary file is named ``<prefix><pid>.<random>.tmp`` after the process writing it
+    (:func:`_temp_prefix`); a writer killed between creating it and the rename (``kill -9``,
+    a power cut) leaves it behind. Files of live processes (a concurrent write of the same
+    target) are kept.
+    """
+    for leftover in folder.glob(f"{glob.escape(prefix)}*.tmp"):
         pid = leftover.name[len(prefix) :].partition(".")[0]
         if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
             with contextlib.suppress(OSError):
                 leftover.unlink()
 
 
+def _target_mode(target: Path) -> tuple[int, int, int] | None:
+    """``(mode, uid, gid)`` of an existing target, ``None`` for a new one.
+
+    Raises:
+        PermissionError: the target is read-only (for this user, or for everyone: even a
+            superuser, whom permissions do not stop, does not replace a read-only file).
+        IsADirectoryError: the target is a folder.
+    """
+    try:
+        st = os.stat(target)
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        raise IsADirectoryError(21, "Is a directory")
+    if not os.access(target, os.W_OK) or not st.st_mode & 0o222:
+        raise PermissionError(
+            13,
+            f"the file is read-only (mode {stat.filemode(st.st_mode)}): make it writable "
+            "(chmod u+w) or write elsewhere",
+        )
+    return stat.S_IMODE(st.st_mode), st.st_uid, st.st_gid
+
+
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, parents: bool = False) -> None:
     """Write ``text`` to ``path`` atomically and durably.
 
-    Temporary files left in the folder by earlier writers of ``path`` that were killed
-    mid-write are deleted first.
+    A symbolic link is followed to the file it names, which is replaced (the link is kept);
+    the new file gets the old one's permissions and, where allowed, its owner. Temporary
+    files left in the folder by earlier writers of ``path`` that were killed mid-write are
+    deleted first.
 
     Args:
-        path: the target file.
+        path: the target file (or a symbolic link to it).
         text: its new contents (UTF-8).
         parents: create missing parent folders; otherwise a missing folder is an error.
 
     Raises:
-        OSError: the folder is missing or not writable, or ``path`` is a folder; the message
-            names ``path``, not the temporary file, and no temporary file is left behind.
+        OSError: the folder is missing or not writable, ``path`` is a folder, or
+            (``PermissionError``) a read-only file; the message names ``path``, not the
+            temporary file, and no temporary file is left behind.
 
     Examples:
         >>> import tempfile, pathlib
@@ -96,26 +165,33 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, parents: bool 
         Traceback (most recent call last):
         ...
         FileNotFoundError: [Errno 2] cannot write '.../nowhere/a.txt': No such file or directory
+        >>> (folder / "real.txt").write_text("old")
+        3
+        >>> (folder / "link.txt").symlink_to("real.txt")
+        >>> atomic_write_text(folder / "link.txt", "new")
+        >>> (folder / "real.txt").read_text(), (folder / "link.txt").is_symlink()
+        ('new', True)
     """
-    target = Path(path)
-    folder = target.parent.absolute()
+    target = Path(os.path.realpath(path))  # through every symbolic link
+    folder = target.parent
     try:
         if parents:
             folder.mkdir(parents=True, exist_ok=True)
-        try:
-            mode = os.stat(target).st_mode & 0o777
-        except FileNotFoundError:
-            mode = _new_file_mode()
-        _remove_leftovers(folder / target.name)
-        fd, tmp = tempfile.mkstemp(
-            dir=folder, prefix=f".{target.name}.{os.getpid()}.", suffix=".tmp"
-        )
+        existing = _target_mode(target)
+        mode = _new_file_mode() if existing is None else existing[0]
+        prefix = _temp_prefix(target.name, _name_limit(folder))
+        _remove_leftovers(folder, prefix)
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as f:
                 f.write(text)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, mode)
+            owner = (os.geteuid(), os.getegid()) if hasattr(os, "geteuid") else None
+            if existing is not None and owner is not None and existing[1:] != owner:
+                with contextlib.suppress(OSError):  # only a superuser may give a file away
+                    os.chown(tmp, existing[1], existing[2])
             os.replace(tmp, target)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):

@@ -13,8 +13,13 @@ The paper averages the base FSLRs over 8 seeds: :meth:`FSLRRecord.mean` does tha
 
 On disk a record is one versioned JSON document, written atomically::
 
-    {"format": "fslr_func.FSLRRecord", "version": 1,
+    {"format": "fslr_func.FSLRRecord", "version": 2,
      "steps": [...], "fslr": {name: [...]}, "lrs": {name: [...]}, "sched": [...], "meta": {...}}
+
+Every field is checked when a record is built, loaded, saved or averaged
+(:mod:`fslr_func.io.record_schema`, the one place that knows the schema). An FSLR the run could not
+measure (no finite probe yet, or a tensor that never moved) is *unknown*: ``None`` in memory,
+``null`` in JSON, never 0; lookups refuse it unless the caller picks a fallback.
 
 Examples:
     >>> import os, tempfile
@@ -41,59 +46,28 @@ import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, SupportsFloat
+from typing import Any, Literal, cast
 
 from ..probe.names import short_list
+from . import record_schema as schema
 from .atomic import atomic_write_text
 from .record_meta import META_KEYS, default_meta, grouping_meta, library_version, optimizer_meta
+from .record_schema import FORMAT, UNKNOWN, VERSION
 
-__all__ = ["FORMAT", "META_KEYS", "VERSION", "FSLRRecord", "grouping_meta", "optimizer_meta"]
+__all__ = [
+    "FORMAT",
+    "META_KEYS",
+    "UNKNOWN",
+    "VERSION",
+    "FSLRRecord",
+    "Fallback",
+    "grouping_meta",
+    "optimizer_meta",
+]
 
-FORMAT = "fslr_func.FSLRRecord"
-"""Value of the ``"format"`` key of a saved record."""
-
-VERSION = 1
-"""Newest file format version this module reads and the one it writes."""
-
-_FIELDS = ("steps", "fslr", "lrs", "sched", "meta")
-
-
-def _is_int(x: object) -> bool:
-    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
-
-
-def _as_float(value: object, what: str, *, nonneg: bool) -> float:
-    """``float(value)`` for a number or one-element tensor; ValueError if not finite (or < 0)."""
-    if isinstance(value, (str, bytes, bool)) or value is None:
-        raise ValueError(f"{what} must be a number, got {value!r}")
-    try:
-        x = float(value)  # type: ignore[arg-type]  # anything float() takes; the rest raises below
-    except (TypeError, ValueError, RuntimeError) as err:
-        raise ValueError(f"{what} must be a number or a one-element tensor, got {value!r}") from err
-    if not math.isfinite(x):
-        raise ValueError(f"{what} is {x}: only finite values can be recorded")
-    if nonneg and x < 0:
-        raise ValueError(f"{what} is {x}: it must be >= 0")
-    return x
-
-
-def _float_list(values: object, what: str, n: int, *, nonneg: bool) -> list[float]:
-    if not isinstance(values, (list, tuple)):
-        raise ValueError(f"{what} must be a list of numbers, got {type(values).__name__}")
-    if len(values) != n:
-        raise ValueError(f"{what} has {len(values)} values but there are {n} steps")
-    return [_as_float(v, f"{what}[{i}]", nonneg=nonneg) for i, v in enumerate(values)]
-
-
-def _series(table: object, what: str, n: int, *, nonneg: bool) -> dict[str, list[float]]:
-    if not isinstance(table, Mapping):
-        raise ValueError(f"{what} must map tensor names to lists, got {type(table).__name__}")
-    out: dict[str, list[float]] = {}
-    for name, values in table.items():
-        if not isinstance(name, str):
-            raise ValueError(f"{what} keys must be tensor names (str), got {name!r}")
-        out[name] = _float_list(values, f"{what}[{name!r}]", n, nonneg=nonneg)
-    return out
+Fallback = Literal["error", "nearest", "omit"]
+"""What a lookup does with an unknown FSLR: raise naming it, use the tensor's nearest known
+value (the latest earlier row, else the earliest later one), or leave the tensor out."""
 
 
 @dataclass
@@ -101,18 +75,22 @@ class FSLRRecord:
     """FSLR time series of one training run, or the mean over seeds.
 
     Row ``i`` holds the estimates taken at training step ``steps[i]``: ``fslr[name][i]`` is
-    ``||Delta_W f||_RMS`` of tensor ``name`` for a unit learning rate, ``lrs[name][i]`` the
-    learning rate in force (optional), ``sched[i] = lr(t) / lr(0)`` of the base run.
+    ``||Delta_W f||_RMS`` of tensor ``name`` for a unit learning rate (``None``: unknown, the
+    run could not measure it), ``lrs[name][i]`` the learning rate in force (optional),
+    ``sched[i] = lr(t) / lr(0)`` of the base run.
 
-    Construction validates and copies everything: ``steps`` strictly increasing integers; every
-    series as long as ``steps``; all values finite, FSLRs and learning rates ``>= 0``. A missing
-    ``sched`` defaults to ``1.0`` at every step; missing :data:`META_KEYS` are filled with
-    defaults (``library_version`` from the installed package). ``meta`` must be JSON-able to be
-    saved and round-trips as JSON (tuples come back as lists; ``shapes`` are stored as lists).
+    Construction validates and copies everything (:mod:`fslr_func.io.record_schema`): ``steps``
+    strictly increasing ints ``>= 0``; every series as long as ``steps``; FSLRs finite and
+    ``>= 0`` or ``None``; learning rates and ratios finite and ``>= 0``; ``lrs`` names among
+    ``fslr``'s; the known ``meta`` keys of their type. A missing ``sched`` defaults to ``1.0``
+    at every step; missing :data:`META_KEYS` are filled with defaults (``library_version``
+    from the installed package). ``meta`` must be JSON-able to be saved and round-trips as
+    JSON (tuples come back as lists; ``shapes`` are stored as lists).
 
     Attributes:
         steps: training steps at which estimates were taken, strictly increasing.
-        fslr: tensor name -> FSLR at each step (names in ``named_parameters()`` order).
+        fslr: tensor name -> FSLR at each step, or ``None`` where unknown (names in
+            ``named_parameters()`` order).
         lrs: tensor name -> learning rate in force at each step; may be empty.
         sched: scheduler ratio ``current_lr / initial_lr`` of the base run at each step.
         meta: ``base_lr``, ``optimizer``, ``optimizer_hparams``, ``estimator``, ``beta``,
@@ -120,51 +98,36 @@ class FSLRRecord:
             (name -> list[int]), ``model``, ``library_version``, ``schedule`` and any other
             JSON-able entries.
 
+    Raises:
+        ValueError: a field breaks the schema; the message names the field, the row and its
+            step, and the fix.
+
     Examples:
         >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 2.0]}, meta={"seed": 3})
         >>> len(rec), rec.names, rec.sched, rec.meta["seed"]
         (2, ['w'], [1.0, 1.0], 3)
+        >>> FSLRRecord(steps=[0], fslr={"w": [float("nan")]})  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: fslr['w'] row 0 (step 0) is nan: an FSLR is a finite number >= 0 (null ...
     """
 
     steps: list[int] = field(default_factory=list)
-    fslr: dict[str, list[float]] = field(default_factory=dict)
+    fslr: dict[str, list[float | None]] = field(default_factory=dict)
     lrs: dict[str, list[float]] = field(default_factory=dict)
     sched: list[float] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.steps, (list, tuple)):
-            raise ValueError(f"steps must be a list of ints, got {type(self.steps).__name__}")
-        for i, s in enumerate(self.steps):
-            if not _is_int(s):
-                raise ValueError(f"steps[{i}] must be an int, got {s!r}")
-        steps = [int(s) for s in self.steps]
-        for i in range(1, len(steps)):
-            if steps[i] <= steps[i - 1]:
-                raise ValueError(
-                    f"steps must be strictly increasing, but steps[{i - 1}] = {steps[i - 1]} "
-                    f"and steps[{i}] = {steps[i]}"
-                )
-        n = len(steps)
-        fslr = _series(self.fslr, "fslr", n, nonneg=True)
-        if n and not fslr:
-            raise ValueError(f"the record has {n} steps but no tensors in fslr")
-        lrs = _series(self.lrs, "lrs", n, nonneg=True)
-        if self.sched is None or (isinstance(self.sched, (list, tuple)) and not self.sched):
-            sched = [1.0] * n
-        else:
-            sched = _float_list(self.sched, "sched", n, nonneg=True)
-        if not isinstance(self.meta, Mapping):
-            raise ValueError(f"meta must be a dict, got {type(self.meta).__name__}")
+        steps = schema.check_steps(self.steps)
+        fslr = schema.check_fslr(self.fslr, steps)
+        lrs = schema.check_lrs(self.lrs, steps, list(fslr))
+        sched = schema.check_sched(self.sched, steps)
+        given = self.meta
+        if isinstance(given, Mapping) and "shapes" in given and given["shapes"] is None:
+            given = {**given, "shapes": {}}  # None: not recorded, as {}
         meta = default_meta()
-        meta.update(self.meta)
-        shapes = meta["shapes"] if meta["shapes"] is not None else {}
-        if not isinstance(shapes, Mapping):
-            raise ValueError(f"meta['shapes'] must map names to shapes, got {shapes!r}")
-        try:
-            meta["shapes"] = {str(k): [int(d) for d in v] for k, v in shapes.items()}
-        except (TypeError, ValueError) as err:
-            raise ValueError(f"meta['shapes'] must map names to lists of ints: {err}") from err
+        meta.update(schema.check_meta(given))
         self.steps, self.fslr, self.lrs, self.sched, self.meta = steps, fslr, lrs, sched, meta
 
     # ------------------------------------------------------------------ accessors
@@ -188,20 +151,107 @@ class FSLRRecord:
             raise ValueError("the record is empty: nothing was recorded yet")
         return max(bisect.bisect_right(self.steps, step) - 1, 0)
 
-    def at(self, step: int) -> dict[str, float]:
+    @property
+    def last_step(self) -> int:
+        """The last training step the record speaks for: its last row, or the last step of
+        the per-step schedule (``meta["sched_per_step"]``) a Recorder stores, if later.
+
+        Example:
+            >>> FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]}).last_step
+            10
+            >>> meta = {"sched_per_step": [1.0] * 50}  # a Recorder's run of 50 steps
+            >>> FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta=meta).last_step
+            49
+        """
+        self._row(0)
+        return max(self.steps[-1], len(self.meta.get("sched_per_step") or []) - 1)
+
+    def past_end(self, step: int, what: str = "step") -> str | None:
+        """``None`` if the record covers ``step`` (``step <= last_step``), else what to tell
+        the user: the step and the record's length. FLeRM calls it at every set point and
+        schedule lookup; past the end the last row (and the last schedule ratio) is reused.
+
+        Example:
+            >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]})
+            >>> rec.past_end(10) is None
+            True
+            >>> print(rec.past_end(25, "set point"))  # doctest: +NORMALIZE_WHITESPACE
+            set point 25 is past the end of the base record (2 rows, steps 0 to 10; it covers
+            steps up to 10): its last values are reused
+        """
+        last = self.last_step
+        if step <= last:
+            return None
+        return (
+            f"{what} {step} is past the end of the base record ({len(self)} rows, steps "
+            f"{self.steps[0]} to {self.steps[-1]}; it covers steps up to {last}): its last "
+            "values are reused"
+        )
+
+    def at(self, step: int, *, unknown: Fallback = "error") -> dict[str, float]:
         """FSLRs in force at ``step``: those of the latest recorded step ``<= step``.
 
         A step before the first recorded step gets the first record (the estimates of step 0
-        are the best guess for the very start of training). Raises ValueError if the record is
-        empty.
+        are the best guess for the very start of training).
+
+        Args:
+            step: a training step.
+            unknown: what to do with a tensor whose FSLR is unknown in that row: ``"error"``
+                (raise, naming it), ``"nearest"`` (its nearest known value: the latest earlier
+                row, else the earliest later one; left out if it is unknown at every row) or
+                ``"omit"`` (leave it out).
+
+        Raises:
+            ValueError: the record is empty, or an unknown FSLR with ``unknown="error"``.
 
         Examples:
-            >>> rec = FSLRRecord(steps=[10, 20], fslr={"w": [1.0, 2.0]})
-            >>> rec.at(0), rec.at(19), rec.at(20), rec.at(10**9)
-            ({'w': 1.0}, {'w': 1.0}, {'w': 2.0}, {'w': 2.0})
+            >>> rec = FSLRRecord(steps=[10, 20], fslr={"w": [1.0, 2.0], "b": [None, 3.0]})
+            >>> rec.at(0, unknown="omit"), rec.at(19, unknown="nearest"), rec.at(10**9)
+            ({'w': 1.0}, {'w': 1.0, 'b': 3.0}, {'w': 2.0, 'b': 3.0})
+            >>> rec.at(10)  # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: the record's FSLR of ['b'] is unknown at step 10 (row 0, step 10): ...
         """
+        if unknown not in ("error", "nearest", "omit"):
+            raise ValueError(f"unknown must be 'error', 'nearest' or 'omit', got {unknown!r}")
         i = self._row(step)
-        return {name: values[i] for name, values in self.fslr.items()}
+        out: dict[str, float] = {}
+        for name, values in self.fslr.items():
+            value = _nearest(values, i) if unknown == "nearest" else values[i]
+            if value is not None:
+                out[name] = value
+        missing = [n for n in self.fslr if n not in out]
+        if missing and unknown == "error":
+            raise ValueError(
+                f"the record's FSLR of {short_list(missing)} is unknown at step {step} (row {i}, "
+                f"step {self.steps[i]}): the base run could not measure it (no finite probe, or "
+                "the tensor never moved); choose a fallback (FLeRM(..., unknown='nearest' or "
+                "'hold'); record.at(step, unknown='nearest' or 'omit')) or re-record the base run"
+            )
+        return out
+
+    def unknown_steps(
+        self, first: int | None = None, last: int | None = None
+    ) -> dict[str, list[int]]:
+        """Tensor name -> the recorded steps at which its FSLR is unknown, for the rows in
+        force over ``[first, last]`` (default: all rows); tensors always known are left out.
+
+        Example:
+            >>> rec = FSLRRecord(steps=[0, 5, 10], fslr={"w": [None, 1.0, None], "b": [1.0] * 3})
+            >>> rec.unknown_steps(), rec.unknown_steps(first=6, last=9)
+            ({'w': [0, 10]}, {})
+        """
+        if not self.steps:
+            return {}
+        lo = 0 if first is None else self._row(first)
+        hi = len(self.steps) - 1 if last is None else self._row(last)
+        out: dict[str, list[int]] = {}
+        for name, values in self.fslr.items():
+            steps = [self.steps[i] for i in range(lo, hi + 1) if values[i] is None]
+            if steps:
+                out[name] = steps
+        return out
 
     def sched_at(self, step: int) -> float:
         """Scheduler ratio ``lr(t) / lr(0)`` in force at ``step`` (same lookup as :meth:`at`).
@@ -228,25 +278,32 @@ class FSLRRecord:
     def append(
         self,
         step: int,
-        fslr: Mapping[str, SupportsFloat],
-        lrs: Mapping[str, SupportsFloat] | None = None,
-        sched: SupportsFloat = 1.0,
+        fslr: Mapping[str, object],
+        lrs: Mapping[str, object] | None = None,
+        sched: object = 1.0,
     ) -> None:
         """Add the estimates of one training step.
 
         Args:
             step: training step; must be greater than the last recorded one.
-            fslr: tensor name -> FSLR (float or one-element tensor, finite, ``>= 0``). Once the
-                record has tensor names, exactly those names must be given.
+            fslr: tensor name -> FSLR (float or one-element tensor, finite, ``>= 0``), or
+                ``None`` where the run could not measure it (unknown). Once the record has
+                tensor names, exactly those names must be given.
             lrs: tensor name -> learning rate in force; give it on every row or on none.
             sched: scheduler ratio ``lr(t) / lr(0)`` of the run at this step.
 
         Raises:
             ValueError: on a non-increasing step, different tensor names, or a non-finite or
                 negative value. The record is left unchanged.
+
+        Example:
+            >>> rec = FSLRRecord()
+            >>> rec.append(0, {"w": 0.5, "lora_A": None})
+            >>> rec.fslr
+            {'w': [0.5], 'lora_A': [None]}
         """
-        if not _is_int(step):
-            raise ValueError(f"step must be an int, got {step!r}")
+        if not (isinstance(step, numbers.Integral) and not isinstance(step, bool)) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
         step = int(step)
         if self.steps and step <= self.steps[-1]:
             raise ValueError(
@@ -257,7 +314,7 @@ class FSLRRecord:
         if self.fslr:
             _check_names(self.fslr, fslr, "fslr")
         row = {
-            str(k): _as_float(v, f"fslr[{k!r}] at step {step}", nonneg=True)
+            str(k): schema.check_value(v, f"fslr[{k!r}] at step {step}", "an FSLR")
             for k, v in fslr.items()
         }
         lr_row: dict[str, float] = {}
@@ -268,13 +325,16 @@ class FSLRRecord:
                 )
             if self.lrs:
                 _check_names(self.lrs, lrs, "lrs")
+            extra = [str(k) for k in lrs if str(k) not in row]
+            if extra:
+                raise ValueError(f"lrs has tensors {short_list(extra)} that fslr lacks")
             lr_row = {
-                str(k): _as_float(v, f"lrs[{k!r}] at step {step}", nonneg=True)
+                str(k): schema.check_number(v, f"lrs[{k!r}] at step {step}", "a learning rate")
                 for k, v in lrs.items()
             }
         elif self.lrs:
             raise ValueError("earlier rows have lrs: give lrs on every row or none")
-        s = _as_float(sched, f"sched at step {step}", nonneg=True)
+        s = schema.check_number(sched, f"sched at step {step}", "a schedule ratio")
 
         self.steps.append(step)
         for name in self.fslr if self.fslr else row:
@@ -289,62 +349,34 @@ class FSLRRecord:
 
         ``fslr``, ``lrs`` and ``sched`` are arithmetic means, step by step:
         ``FSLR_W(t) = (1/S) sum_s FSLR_W^(s)(t)``, computed in log space (:func:`_mean`), so
-        the mean of any finite values is finite. ``meta`` is the first record's, with ``seed``
-        the list of all seeds (lists of seeds of earlier means are flattened).
+        the mean of any finite values is finite. An FSLR unknown in some seeds is the mean
+        of the seeds that know it (each estimates the same quantity); unknown in all, it
+        stays unknown. ``meta`` is the first record's, with ``seed`` the list of all seeds
+        (lists of seeds of earlier means are flattened).
 
         Raises:
-            ValueError: if there are no records, or they differ in tensor names, steps, shapes,
-                lrs names or ``base_lr`` (the message names what differs).
+            ValueError: if there are no records, or they differ in tensor names, steps,
+                shapes, lrs names, estimator, grouping, optimiser, ``base_lr``, model or
+                schedule (:func:`~fslr_func.io.record_schema.check_compatible`: the message
+                names what differs).
 
         Examples:
-            >>> a = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"seed": 0})
-            >>> b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1})
+            >>> a = FSLRRecord(steps=[0], fslr={"w": [1.0], "b": [None]}, meta={"seed": 0})
+            >>> b = FSLRRecord(steps=[0], fslr={"w": [3.0], "b": [2.0]}, meta={"seed": 1})
             >>> m = FSLRRecord.mean([a, b])
             >>> m.fslr, m.meta["seed"]
-            ({'w': [2.0]}, [0, 1])
+            ({'w': [2.0], 'b': [2.0]}, [0, 1])
         """
         recs = list(records)
-        if not recs:
-            raise ValueError("FSLRRecord.mean needs at least one record")
+        schema.check_compatible(recs)
         first = recs[0]
-        for k, rec in enumerate(recs[1:], start=1):
-            where = f"record {k} vs record 0"
-            if set(rec.fslr) != set(first.fslr):
-                raise ValueError(
-                    f"{where}: different tensors: only in record 0: "
-                    f"{short_list(n for n in first.fslr if n not in rec.fslr)}; "
-                    f"only in record {k}: {short_list(n for n in rec.fslr if n not in first.fslr)}"
-                )
-            if rec.steps != first.steps:
-                only0 = sorted(set(first.steps) - set(rec.steps))
-                onlyk = sorted(set(rec.steps) - set(first.steps))
-                raise ValueError(
-                    f"{where}: different steps: only in record 0: {only0[:10]}; only in "
-                    f"record {k}: {onlyk[:10]} (record 0 has {len(first.steps)} steps, "
-                    f"record {k} has {len(rec.steps)})"
-                )
-            if rec.shapes != first.shapes:
-                diff = sorted(
-                    n
-                    for n in set(rec.shapes) | set(first.shapes)
-                    if rec.shapes.get(n) != first.shapes.get(n)
-                )
-                raise ValueError(f"{where}: different shapes for tensors {short_list(diff)}")
-            if set(rec.lrs) != set(first.lrs):
-                raise ValueError(
-                    f"{where}: different lrs tensors: only in record 0: "
-                    f"{short_list(n for n in first.lrs if n not in rec.lrs)}; "
-                    f"only in record {k}: {short_list(n for n in rec.lrs if n not in first.lrs)}"
-                )
-            lr0, lrk = first.meta.get("base_lr"), rec.meta.get("base_lr")
-            if lr0 is not None and lrk is not None and lr0 != lrk:
-                raise ValueError(
-                    f"{where}: different base_lr ({lr0} vs {lrk}): average seeds of one "
-                    "learning rate only"
-                )
 
-        def avg(columns: list[list[float]]) -> list[float]:
-            return [_mean(vals) for vals in zip(*columns, strict=True)]
+        def avg(columns: list[Sequence[float | None]]) -> list[float | None]:
+            out: list[float | None] = []
+            for column in zip(*columns, strict=True):
+                known = [v for v in column if v is not None]
+                out.append(_mean(known) if known else None)
+            return out
 
         seeds: list[Any] = []
         for rec in recs:
@@ -355,8 +387,9 @@ class FSLRRecord:
         return cls(
             steps=list(first.steps),
             fslr={name: avg([r.fslr[name] for r in recs]) for name in first.fslr},
-            lrs={name: avg([r.lrs[name] for r in recs]) for name in first.lrs},
-            sched=avg([r.sched for r in recs]),
+            # no None among rates and ratios: their means are all numbers
+            lrs={name: cast(list[float], avg([r.lrs[name] for r in recs])) for name in first.lrs},
+            sched=cast(list[float], avg([r.sched for r in recs])),
             meta=meta,
         )
 
@@ -378,53 +411,40 @@ class FSLRRecord:
     def from_dict(cls, data: Any, *, source: str = "the data") -> FSLRRecord:
         """Inverse of :meth:`to_dict`; ``source`` names the origin in error messages.
 
+        Version-1 documents are migrated (:func:`~fslr_func.io.record_schema.check_document`).
+
         Raises:
-            ValueError: wrong ``format``, unsupported ``version``, missing or invalid fields.
+            ValueError: wrong ``format``, unsupported ``version``, missing or invalid fields
+                (the field, the row and the fix named).
         """
-        if not isinstance(data, Mapping):
-            raise ValueError(
-                f"{source} is not an FSLRRecord: expected a JSON object, got {type(data).__name__}"
-            )
-        fmt = data.get("format")
-        if fmt != FORMAT:
-            raise ValueError(
-                f"{source} is not an FSLRRecord: its 'format' is {fmt!r}, expected {FORMAT!r}; "
-                "pass a file written by FSLRRecord.save"
-            )
-        version: Any = data.get("version")
-        if not _is_int(version):
-            raise ValueError(f"{source}: 'version' must be an int, got {version!r}")
-        if version > VERSION:
-            raise ValueError(
-                f"{source} has FSLRRecord format version {version}, but this fslr_func "
-                f"({library_version()}) reads versions up to {VERSION}: upgrade fslr_func"
-            )
-        if version < 1:
-            raise ValueError(f"{source} has an unknown FSLRRecord format version {version}")
-        missing = [k for k in _FIELDS if k not in data]
-        if missing:
-            raise ValueError(
-                f"{source} is damaged: missing fields {missing}; a version-{VERSION} record has "
-                f"{list(_FIELDS)}: re-record it or restore it from a backup"
-            )
+        fields = schema.check_document(data, source, library_version())
         try:
-            return cls(**{k: data[k] for k in _FIELDS})
+            return cls(**fields)
         except ValueError as err:
             raise ValueError(f"{source} is damaged: {err}") from err
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write the record as versioned JSON, atomically.
 
-        The document is serialised first (so a non-JSON-able ``meta`` raises before the file
-        is touched), written to a temporary file in the same directory, flushed and fsynced,
-        then moved over ``path`` with :func:`os.replace`. A crash mid-write leaves either the
-        old file or the new one, never a truncated file.
+        The record is checked again (a field changed after construction, e.g. a ``meta``
+        entry, is refused here) and serialised first (so a non-JSON-able ``meta`` raises
+        before the file is touched), then written by
+        :func:`~fslr_func.io.atomic.atomic_write_text`: through a symbolic link to its target,
+        with the target's permissions; a crash mid-write leaves either the old file or the
+        new one, never a truncated file.
 
         Raises:
-            ValueError: if ``meta`` holds something JSON cannot represent.
+            ValueError: a field breaks the schema, or ``meta`` holds something JSON cannot
+                represent.
+            PermissionError: ``path`` is a read-only file.
         """
+        document = self.to_dict()
         try:
-            text = json.dumps(self.to_dict(), allow_nan=False)
+            FSLRRecord(**{k: document[k] for k in schema.FIELDS})
+        except ValueError as err:
+            raise ValueError(f"cannot save the record: {err}") from err
+        try:
+            text = json.dumps(document, allow_nan=False)
         except (TypeError, ValueError) as err:
             raise ValueError(
                 f"cannot save the record: meta must be JSON-able (str, numbers, bool, None, "
@@ -434,24 +454,19 @@ class FSLRRecord:
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> FSLRRecord:
-        """Read a record written by :meth:`save`.
+        """Read a record written by :meth:`save` (version 1 or 2).
 
         Raises:
             FileNotFoundError: if there is no such file.
-            ValueError: if the file is damaged or truncated (not valid JSON, missing or invalid
-                fields), is not an FSLRRecord, or was written by a newer fslr_func.
+            ValueError: if the file is damaged or truncated (not valid JSON, missing or
+                invalid fields: the field, the row and the fix named), is not an
+                FSLRRecord, or was written by a newer fslr_func.
         """
         path = os.fspath(path)
         with open(path, "rb") as f:
             raw = f.read()
-        try:
-            data = json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as err:
-            raise ValueError(
-                f"{path!r} is damaged or truncated: it is not valid JSON ({err}); it may have "
-                "been cut short or copied incompletely: re-record it or restore it from a backup"
-            ) from err
-        return cls.from_dict(data, source=repr(path))
+        source = repr(path)
+        return cls.from_dict(schema.parse_json(raw, source), source=source)
 
     # ------------------------------------------------------------------ schedule and export
 
@@ -460,20 +475,23 @@ class FSLRRecord:
 
         A :class:`~fslr_func.training.recorder.Recorder` stores the ratio at every training step in
         ``meta["sched_per_step"]`` (index = step): that value, exactly. Between and beyond
-        what is stored, ``sched`` is interpolated linearly between recorded rows and held
-        after the last one.
+        what is stored, ``sched`` is interpolated linearly between recorded rows; past the
+        end (:meth:`past_end`) the last value is held: the per-step one if it goes further
+        than the rows.
 
         Examples:
             >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]}, sched=[1.0, 0.5])
             >>> rec.schedule_at(4), rec.schedule_at(20)
             (0.8, 0.5)
-            >>> rec.meta["sched_per_step"] = [0.0, 0.25]
-            >>> rec.schedule_at(1)
-            0.25
+            >>> rec.meta["sched_per_step"] = [1.0] * 11 + [0.25] * 9
+            >>> rec.schedule_at(12), rec.schedule_at(10**6)
+            (0.25, 0.25)
         """
         per_step = self.meta.get("sched_per_step") or []
         if 0 <= step < len(per_step):
             return float(per_step[step])
+        if per_step and self.steps and step >= len(per_step) > self.steps[-1]:
+            return float(per_step[-1])
         i = self._row(step)
         if step <= self.steps[i] or i + 1 == len(self.steps):
             return self.sched[i]
@@ -481,8 +499,9 @@ class FSLRRecord:
         w = (step - t0) / (t1 - t0)
         return (1 - w) * self.sched[i] + w * self.sched[i + 1]
 
-    def to_rows(self) -> list[dict[str, float]]:
-        """One flat dict per recorded step: ``step``, ``sched``, ``fslr/<name>``, ``lr/<name>``.
+    def to_rows(self) -> list[dict[str, float | None]]:
+        """One flat dict per recorded step: ``step``, ``sched``, ``fslr/<name>`` (``None``
+        where unknown), ``lr/<name>``.
 
         Examples:
             >>> FSLRRecord(steps=[0], fslr={"w": [0.5]}, lrs={"w": [0.1]}).to_rows()
@@ -499,7 +518,8 @@ class FSLRRecord:
         ]
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
-        """Write :meth:`to_rows` as CSV (a header row, then one row per step), atomically.
+        """Write :meth:`to_rows` as CSV (a header row, then one row per step; an unknown FSLR
+        is an empty cell), atomically.
 
         Examples:
             >>> import os, tempfile
@@ -516,7 +536,7 @@ class FSLRRecord:
         atomic_write_text(path, out.getvalue())
 
     def to_pandas(self) -> Any:
-        """:meth:`to_rows` as a ``pandas.DataFrame`` indexed by ``step``.
+        """:meth:`to_rows` as a ``pandas.DataFrame`` indexed by ``step`` (unknown: NaN).
 
         Raises:
             ImportError: pandas is not installed (``pip install pandas``).
@@ -528,6 +548,17 @@ class FSLRRecord:
                 "FSLRRecord.to_pandas needs pandas: pip install pandas (or use to_rows/to_csv)"
             ) from err
         return pd.DataFrame(self.to_rows()).set_index("step")
+
+
+def _nearest(values: Sequence[float | None], i: int) -> float | None:
+    """The known value nearest row ``i``: the latest at or before it, else the earliest after.
+
+    Example:
+        >>> _nearest([None, 2.0, None, 4.0], 2), _nearest([None, 2.0], 0), _nearest([None], 0)
+        (2.0, 2.0, None)
+    """
+    order = [*range(i, -1, -1), *range(i + 1, len(values))]
+    return next((v for j in order if (v := values[j]) is not None), None)
 
 
 def _mean(values: Sequence[float]) -> float:

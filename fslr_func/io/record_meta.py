@@ -108,8 +108,9 @@ def optimizer_meta(optimizer: Any) -> dict[str, Any]:
 
     Returns:
         ``{"optimizer": class name, "optimizer_hparams": JSON-able defaults,
-        "base_lr": lr_0}`` where ``lr_0`` is the first param group's ``initial_lr`` (set by
-        schedulers) or, failing that, its ``lr``.
+        "base_lr": lr_0}`` where ``lr_0`` is the ``initial_lr`` (set by schedulers) or,
+        failing that, the ``lr`` of the first param group whose rate is not 0 (a group frozen
+        at rate 0, an embedding say, is not the run's rate); ``None`` if every rate is 0.
 
     Examples:
         >>> import torch
@@ -117,12 +118,18 @@ def optimizer_meta(optimizer: Any) -> dict[str, Any]:
         >>> m = optimizer_meta(opt)
         >>> m["optimizer"], m["base_lr"], m["optimizer_hparams"]["betas"]
         ('Adam', 0.01, [0.9, 0.999])
+        >>> frozen_first = torch.optim.SGD(
+        ...     [{"params": [torch.zeros(2, requires_grad=True)], "lr": 0.0},
+        ...      {"params": [torch.zeros(3, requires_grad=True)], "lr": 0.1}])
+        >>> optimizer_meta(frozen_first)["base_lr"]
+        0.1
     """
-    groups = list(getattr(optimizer, "param_groups", []))
-    base_lr: float | None = None
-    if groups:
-        lr = groups[0].get("initial_lr", groups[0].get("lr"))
-        base_lr = None if lr is None else float(lr)
+    rates = [
+        float(lr)
+        for g in getattr(optimizer, "param_groups", [])
+        if (lr := g.get("initial_lr", g.get("lr"))) is not None
+    ]
+    base_lr = next((lr for lr in rates if lr != 0), None)
     defaults = dict(getattr(optimizer, "defaults", {}))
     defaults.pop("params", None)
     return {

@@ -20,16 +20,22 @@ from the same generator state, exactly as :func:`fslr_func.probe.sampling.probe`
 concatenated batch, and keeps its slice ``omega[offset_r : offset_r + M_r]`` (``offset_r`` the
 output sizes of the earlier ranks, exchanged with one ``all_gather``). The result then equals,
 up to floating-point summation order, the single-process estimate on the concatenated batch
-with the same generator seed. ``omega_draw="local"`` draws only the ``M_r`` entries of the
-rank's slice from a generator seeded per rank (independent across ranks): the same estimator in
-distribution and identical on every rank, at ``1/R`` of the drawing cost, but not equal draw
-for draw to the single-process run.
+with the same generator seed. ``omega_draw="local"`` draws, from a generator seeded per rank
+(independent across ranks), as many entries as the largest shard has, ``max_r M_r``, and uses
+the first ``M_r``: the same estimator in distribution and identical on every rank, at about
+``1/R`` of the drawing cost for even shards, but not equal draw for draw to the single-process
+run. Drawing the same number on every rank gives every rank the same chunks of samples, so the
+all-reduces match whatever the shard sizes.
 
 Costs per probe: one ``all_gather`` of three integers, then one ``all_reduce`` per chunk of
 ``chunk_size`` samples (per dtype) of ``chunk_size x P`` elements, ``P`` the number of probed
 parameter elements: the gradient-sized all-reduce DDP performs at every step, once per sample.
 
-The probe here is the core probe (:func:`fslr_func.probe.sampling.run_probe`, the one sampling loop)
+A rank that cannot probe its shard (an empty shard, a NaN in a one-shot estimate, a forward
+that fails on it) sends a failure in the first all-gather: every rank then raises the same
+``ValueError``, naming the failed ranks and their errors, instead of waiting for it.
+
+The probe here is the core probe (:func:`fslr_func.probe.run_probe`, the one sampling loop)
 with a :class:`DataParallelReduction` hook: every fix to the core holds here too. A model
 sharded with FSDP2 (``fully_shard``) is probed the same way after its parameters and the update
 are all-gathered for the probe's duration (:func:`fslr_func.parallel.fsdp.gathered`).
@@ -49,7 +55,7 @@ Examples:
 
 from __future__ import annotations
 
-import contextlib
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, get_args
@@ -133,13 +139,29 @@ _FAILED = -1
 (:meth:`DataParallelReduction.abort`)."""
 
 
+def _first_line(err: BaseException) -> str:
+    """``Type: first line of the message`` (at most 300 characters), for other ranks.
+
+    Example:
+        >>> _first_line(ValueError("the probe batch is empty\\nmore"))
+        'ValueError: the probe batch is empty'
+    """
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
+
+
 def _gather_layout(
-    num_outputs: int, num_params: int, samples: int, group: ProcessGroup
+    num_outputs: int,
+    num_params: int,
+    samples: int,
+    group: ProcessGroup,
+    reason: str | None = None,
 ) -> list[int]:
     """All ranks' output sizes; checks that all ranks probe the same tensors and samples.
 
     Every rank sees the same gathered table, so on a mismatch, or a rank that could not probe
-    (``num_outputs == _FAILED``), every rank raises (no hang).
+    (``num_outputs == _FAILED``, its error in ``reason``), every rank raises the same error
+    (no hang, no abort): the failed ranks' reasons are gathered so that every rank names them.
     """
     _, world = rank_and_size(group)
     local = torch.tensor(
@@ -150,9 +172,12 @@ def _gather_layout(
     rows = [[int(v) for v in t.tolist()] for t in table]
     failed = [i for i, r in enumerate(rows) if r[0] == _FAILED]
     if failed:
+        reasons: list[str | None] = [None] * world
+        dist.all_gather_object(reasons, reason, group=group)
+        why = "; ".join(f"rank {i}: {reasons[i]}" for i in failed)
         raise ValueError(
-            f"rank(s) {failed} could not probe their shard of the probe batch (their own error "
-            "says why): every rank leaves this probe"
+            f"the probe failed on rank(s) {failed} ({why}): every rank leaves this probe; fix "
+            "the failing rank's shard of the probe batch"
         )
     if len({(r[1], r[2]) for r in rows}) != 1:
         raise ValueError(
@@ -196,8 +221,9 @@ class DataParallelReduction:
 
     Rank ``r`` probes its shard of the batch with the slice
     ``omega[offset_r : offset_r + M_r]`` of every global omega (``omega_draw="global"``) or
-    an independent draw of ``M_r`` entries from a generator seeded per rank (``"local"``),
-    scaled by the global ``1/sqrt(M)``; the per-sample gradients are then summed over ranks.
+    the first ``M_r`` of an independent draw of ``max_r M_r`` entries from a generator seeded
+    per rank (``"local"``), scaled by the global ``1/sqrt(M)``; the per-sample gradients are
+    then summed over ranks.
 
     Attributes:
         group: the process group; ``None``: the default group.
@@ -234,18 +260,24 @@ class DataParallelReduction:
         seed = int(torch.randint(0, 2**62, (), generator=generator).item())
         own = torch.Generator(device=generator.device if generator is not None else "cpu")
         own.manual_seed(seed + rank)
-        return OmegaSlice(own, num_outputs, 0, total)
+        # Every rank draws as many entries as the largest shard has and uses the first M_r:
+        # the probe sizes its chunks of samples by the entries drawn, so every rank runs the
+        # same number of all-reduces of the same shapes (uneven shards chunked differently
+        # aborted the process group).
+        return OmegaSlice(own, max(sizes), 0, total)
 
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """One all-reduce (sum) per dtype of the chunk's per-sample gradients."""
         return all_reduce_gradients(grads, self.group)
 
     def abort(self, delta: Mapping[str, Tensor], samples: int) -> None:
-        """Join the other ranks' layout gather as a rank that cannot probe, so that they raise
-        instead of waiting; this rank then raises its own error (the caller re-raises it)."""
+        """Join the other ranks' layout gather as a rank that cannot probe, with the error
+        being handled (``sys.exc_info``): every rank, this one included, raises the same
+        ``ValueError`` naming the failed ranks and their errors, instead of waiting."""
+        err = sys.exc_info()[1]
+        reason = "it could not probe its shard" if err is None else _first_line(err)
         num_params = sum(d.numel() for d in delta.values())
-        with contextlib.suppress(ValueError):
-            _gather_layout(_FAILED, num_params, samples, self.group)
+        _gather_layout(_FAILED, num_params, samples, self.group, reason)
 
 
 def probe(
@@ -278,7 +310,7 @@ def probe(
         group: the process group; ``None``: the default group.
         omega_draw: ``"global"`` (each rank draws the full vector and keeps its slice: equal to
             the single-process probe of the concatenated batch) or ``"local"`` (each rank draws
-            only its slice from a per-rank generator: cheaper, same distribution).
+            its own from a per-rank generator: cheaper, same distribution).
         generator: draws omega; seed it identically on every rank for ``omega_draw="global"``.
         params: values to evaluate the gradient at (DTensor shards under FSDP2); defaults to
             the module's parameters.

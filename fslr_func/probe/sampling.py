@@ -194,7 +194,8 @@ class GradientReduction(Protocol):
     The probe calls :meth:`omega_slice` once, after its forward, and :meth:`reduce` on every
     chunk of per-sample gradients before their statistics are taken, so the statistics are
     those of the global batch on every process. A process whose forward or input checks raise
-    calls :meth:`abort` instead of :meth:`omega_slice` before re-raising.
+    calls :meth:`abort` instead of :meth:`omega_slice` before re-raising (the data-parallel
+    reduction raises from :meth:`abort` itself: the same error on every process).
     """
 
     def omega_slice(
@@ -261,7 +262,7 @@ def run_probe(
     """
     try:
         setup = prepare_vjp(model, inputs, delta, options, params=params, strict=strict)
-    except ValueError:
+    except Exception:  # a forward that fails on one rank's shard too: the others must know
         if reduction is not None:
             reduction.abort(delta, options.samples)
         raise

@@ -78,7 +78,7 @@ from ..probe.functional import Inputs
 from . import policies
 from .controller import LogFn, StepController
 from .flerm_rule import match, rate
-from .flerm_targets import BaseTargets
+from .flerm_targets import BaseTargets, PastEnd, Unknown
 from .probe_schedule import ProbePlan
 from .update_scaling import UpdateScaler
 from .wrapper import FSLRModule, Measurement
@@ -150,6 +150,14 @@ class FLeRM(StepController):
             record's); built before or after FLeRM.
         min_fslr: FSLRs or targets ``<= min_fslr`` count as zero: the tensor keeps its current
             rate (one warning per tensor).
+        unknown: what to do where the base record's FSLR of a tensor FLeRM drives is unknown
+            (the base run could not measure it: no finite probe, or it never moved):
+            ``"error"`` (refuse at construction, naming the tensors and steps),
+            ``"nearest"`` (use its nearest known value in the record) or ``"hold"`` (keep it
+            at its group's rate, with a note).
+        past_end: set points and base-schedule lookups past the record's last step
+            (:meth:`~fslr_func.io.record.FSLRRecord.past_end`) reuse its last values with one
+            warning (``"warn"``) or raise (``"error"``, for exactness).
         log_fn: called after every step as ``log_fn(step, {"flerm_lr/<tensor>": rate, ...})``,
             with ``fslr/<tensor>`` (the scaled model's FSLRs) added at set points.
 
@@ -187,6 +195,8 @@ class FLeRM(StepController):
         start_step: int = 0,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         min_fslr: float = 1e-12,
+        unknown: Unknown = "error",
+        past_end: PastEnd = "warn",
         log_fn: LogFn | None = None,
     ) -> None:
         if not isinstance(base, FSLRRecord):
@@ -212,6 +222,8 @@ class FLeRM(StepController):
                 "every": every,
                 "policy": getattr(resolved, "__qualname__", repr(resolved)),
                 "min_fslr": float(min_fslr),
+                "unknown": unknown,
+                "past_end": past_end,
                 "base": hashlib.sha256(
                     json.dumps(base.to_dict(), sort_keys=True).encode()
                 ).hexdigest()[:16],
@@ -222,12 +234,15 @@ class FLeRM(StepController):
             raise TypeError("FLeRM drives one optimiser: build one FLeRM per optimiser")
         (self.optimizer,) = self.optimizers
         self.scaler = UpdateScaler(self.optimizer)
-        self.targets = BaseTargets(fm, base, resolved)
+        self.targets = BaseTargets(fm, base, resolved, unknown, past_end)
         self.min_fslr = float(min_fslr)
         self.base = base
         self.names: list[str] = []
         self._adopt()
         self.targets.check(self.names)
+        self.targets.check_unknown(
+            self.names, start_step, None if mode == "periodic" else start_step
+        )
         self.lr0 = self.targets.lr0
         self.ratios: dict[str, float] = {}
         self.history: list[SetPoint] = []
@@ -262,7 +277,10 @@ class FLeRM(StepController):
         ratio yet, or in a group at rate 0, which has no update to scale). With the run's own
         scheduler :math:`\mathrm{sched}(t)` is the group's ``lr / initial_lr``, else the base
         record's ratio."""
-        base_ratio = None if self.scheduler is not None else self.base.schedule_at(step)
+        base_ratio = None
+        if self.scheduler is None:
+            self.targets.covers(step, "the base schedule at step")
+            base_ratio = self.base.schedule_at(step)
         driven = set(self.names)
         out: Rates = {}
         for name, (lr, sched) in self.scaler.schedules(self.targets.name_of).items():

@@ -31,7 +31,9 @@ Examples:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 from torch import Tensor
 
@@ -41,7 +43,14 @@ from ..probe.names import recorded_names
 from . import policies
 from .wrapper import FSLRModule
 
-__all__ = ["BaseTargets", "Note"]
+__all__ = ["BaseTargets", "Note", "PastEnd", "Unknown"]
+
+Unknown = Literal["error", "nearest", "hold"]
+"""What FLeRM does where the base FSLR of a tensor it drives is unknown (the base run could not
+measure it): refuse, use the nearest known value, or hold the tensor at its group's rate."""
+PastEnd = Literal["warn", "error"]
+"""What FLeRM does at a step past the base record's last one: reuse its last values with one
+warning, or raise."""
 
 Note = Callable[[Sequence[str], str], None]
 """``note(names, message)``: warn once per tensor; ``{}`` in ``message`` stands for the names."""
@@ -54,6 +63,8 @@ class BaseTargets:
         fm: the wrapped scaled model.
         base: the base run's record.
         policy: anything :func:`fslr_func.training.policies.resolve` accepts.
+        unknown: what to do with an unknown base FSLR (:data:`Unknown`).
+        past_end: what to do past the record's last step (:data:`PastEnd`).
 
     Attributes:
         params: the scaled model's parameters by name (``fm.module.named_parameters()``).
@@ -62,9 +73,23 @@ class BaseTargets:
         one_to_one: whether the policy maps each tensor to the base tensor of its name.
     """
 
-    def __init__(self, fm: FSLRModule, base: FSLRRecord, policy: policies.PolicySpec) -> None:
+    def __init__(
+        self,
+        fm: FSLRModule,
+        base: FSLRRecord,
+        policy: policies.PolicySpec,
+        unknown: Unknown = "error",
+        past_end: PastEnd = "warn",
+    ) -> None:
+        if unknown not in ("error", "nearest", "hold"):
+            raise ValueError(f"unknown must be 'error', 'nearest' or 'hold', got {unknown!r}")
+        if past_end not in ("warn", "error"):
+            raise ValueError(f"past_end must be 'warn' or 'error', got {past_end!r}")
+        self.unknown: Unknown = unknown
+        self.past_end: PastEnd = past_end
         self.fm = fm
         self.base = base
+        self._warned_past: set[str] = set()
         self.policy = policies.resolve(policy)
         self.one_to_one = policies.is_one_to_one(self.policy)
         self.params: dict[str, Tensor] = {}
@@ -139,6 +164,54 @@ class BaseTargets:
                     f"under the identity policy: {bad[:10]}"
                 )
 
+    def check_unknown(self, names: Sequence[str], first: int, last: int | None) -> None:
+        """Refuse a record whose FSLR is unknown, at a row read between steps ``first`` and
+        ``last`` (``None``: the end), for a tensor of ``names`` (unless ``unknown="hold"``,
+        or ``"nearest"`` and the tensor has a known value somewhere).
+
+        Raises:
+            ValueError: naming the tensors and their steps, and the fallbacks.
+        """
+        rows = self.base.unknown_steps(first, last)
+        if self.one_to_one:
+            driven = {self.bare[n] for n in names}
+            rows = {b: s for b, s in rows.items() if self.base_names.get(b) in driven}
+        if self.unknown == "nearest":
+            known = self.base.at(0, unknown="nearest")
+            rows = {b: s for b, s in rows.items() if b not in known}
+        if rows and self.unknown != "hold":
+            listed = "; ".join(f"{b!r} at steps {s[:5]}" for b, s in list(rows.items())[:10])
+            raise ValueError(
+                f"the base record's FSLR is unknown for tensors FLeRM drives: {listed} (the base "
+                "run could not measure them: no finite probe, or they never moved, e.g. frozen "
+                "or at rate 0); choose a fallback: FLeRM(..., unknown='nearest') uses each "
+                "tensor's nearest known value, unknown='hold' keeps it at its group's rate; or "
+                "freeze it in the scaled run too, or re-record the base"
+            )
+
+    def covers(self, step: int, what: str) -> None:
+        """Past the record's last step: warn once per kind of lookup, or raise
+        (``past_end="error"``).
+
+        Raises:
+            ValueError: ``step`` is past the end and ``past_end="error"``.
+        """
+        message = self.base.past_end(step, what)
+        if message is None:
+            return
+        if self.past_end == "error":
+            raise ValueError(
+                f"FLeRM: {message}; past_end='error' asks for exactness: record a base run as "
+                "long as this one, or pass past_end='warn'"
+            )
+        if what not in self._warned_past:
+            self._warned_past.add(what)
+            warnings.warn(
+                f"FLeRM: {message} (warned once; past_end='error' makes it an error)",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
     def at(self, step: int, names: Sequence[str], note: Note) -> dict[str, float]:
         r"""Targets :math:`T_W` of ``names`` at ``step``; a zero target is allowed (the tensor
         is then held).
@@ -155,12 +228,22 @@ class BaseTargets:
             names: the tensors FLeRM drives.
             note: warns once per tensor (record tensors the model lacks).
         """
+        self.covers(step, "set point")
         lr0 = self.lr0 or float(self.base.meta["base_lr"])
-        fslr, rates, sched = self.base.at(step), self.base.lrs_at(step), self.base.sched_at(step)
+        fslr = self.base.at(step, unknown="nearest" if self.unknown == "nearest" else "omit")
+        rates, sched = self.base.lrs_at(step), self.base.sched_at(step)
         moved = {
             self.base_names[b]: f * (rates[b] / lr0 / sched) if b in rates else f
             for b, f in fslr.items()
         }
+        if self.unknown == "hold":  # (with "error", check_unknown left none FLeRM drives)
+            lacking = [self.base_names[b] for b in self.base.names if b not in fslr]
+            moved.update(dict.fromkeys(lacking, 0.0))  # a zero target: held at the group's rate
+            note(
+                lacking,
+                f"FLeRM step {step}: the base record's FSLR of {{}} is unknown; they keep "
+                "their group's learning rate (unknown='hold')",
+            )
         bare, driven = self.bare, set(names)
         if self.one_to_one:
             present = set(bare.values())

@@ -58,21 +58,27 @@ def schedule_ratio(
     scheduler: torch.optim.lr_scheduler.LRScheduler | None,
     base_lr: float,
 ) -> float:
-    """``lr(t) / lr(0)`` of the first param group: relative to its ``initial_lr`` with a
-    scheduler (set to its first rate if the scheduler sets none), else to ``base_lr``.
+    """``lr(t) / lr(0)`` of the first param group whose rate is not 0: relative to its
+    ``initial_lr`` with a scheduler (set to its first rate if the scheduler sets none), else
+    to ``base_lr``. A group frozen at rate 0 (an embedding) is not the run's schedule.
 
     Examples:
         >>> opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.5)
         >>> schedule_ratio(opt, None, 1.0)
         0.5
+        >>> opt.add_param_group({"params": [torch.zeros(1, requires_grad=True)], "lr": 0.25})
+        >>> opt.param_groups[0]["lr"] = 0.0  # the first group frozen
+        >>> schedule_ratio(opt, None, 0.5)
+        0.5
     """
-    group = optimizer.param_groups[0]
+    groups = optimizer.param_groups
     if scheduler is not None:
         # every scheduler acts on the group's rate; ReduceLROnPlateau, SequentialLR and
         # ChainedScheduler have no base_lrs of their own, and a plateau sets no initial_lr
-        initial = group.setdefault("initial_lr", group["lr"])
-        return group_lr(group) / group_lr({"lr": initial})
-    return group_lr(group) / base_lr
+        initial = [group_lr({"lr": g.setdefault("initial_lr", g["lr"])}) for g in groups]
+        k = next((k for k, lr in enumerate(initial) if lr), 0)
+        return group_lr(groups[k]) / (initial[k] or base_lr)
+    return next((lr for g in groups if (lr := group_lr(g))), 0.0) / base_lr
 
 
 class Recorder(StepController):
@@ -94,7 +100,11 @@ class Recorder(StepController):
     is 0 (a warm-up from 0) or at which no parameter changed (a step skipped by a
     ``GradScaler``) moves its probes to the next step, with a note the first time. A tensor
     frozen, without a gradient or in a group at rate 0 at a probe keeps its previous estimate
-    in that row (0 if it never moved), with a note; the run goes on.
+    in that row, with a note; the run goes on. A tensor without any valid estimate yet is 0
+    if it did not move the function (a zero update at a rate > 0: LoRA ``A`` while ``B = 0``)
+    and *unknown* (``None``, ``null`` in JSON), never 0, if the run could not measure it
+    (every probe of it was not finite, or its rate was 0): FLeRM refuses to drive a tensor
+    from an unknown value unless told how.
 
     Args:
         fm: the wrapped base model (:func:`fslr_func.with_fslr`).
@@ -110,17 +120,19 @@ class Recorder(StepController):
             ``ceil(warmup_samples / fm.samples)`` probes of that step's update on fresh batches.
         every: probe once every ``every`` steps after the warm-up; ``None``: warm-up only.
         start_step: first recorded step (LoRA: 5, when ``B`` has left zero).
-        base_lr: ``lr_0`` stored in ``record.meta["base_lr"]``; default: the first param
-            group's ``initial_lr`` (set by schedulers) or ``lr`` at the first step.
-        scheduler: the run's ``torch.optim.lr_scheduler`` scheduler: ``sched(t)`` is its
-            ``get_last_lr()[0] / base_lrs[0]``; without one, ``sched(t) = lr(t) / base_lr``
-            for the first param group.
+        base_lr: ``lr_0`` stored in ``record.meta["base_lr"]``; default: the ``initial_lr``
+            (set by schedulers) or ``lr`` at the first step of the first param group whose
+            rate is not 0.
+        scheduler: the run's ``torch.optim.lr_scheduler`` scheduler: ``sched(t)`` is
+            ``lr(t) / initial_lr`` of the first param group whose rate is not 0; without one,
+            ``sched(t) = lr(t) / base_lr`` for that group (:func:`schedule_ratio`).
         meta: extra JSON-able metadata (e.g. ``{"seed": 0, "width": 128}``), merged over the
             recorded ``estimator``, ``grouping`` (:func:`grouping_meta`), ``beta``,
             ``samples``, ``shapes``, ``model``, ``every``, ``warmup_samples`` and
             ``start_step``.
-        log_fn: called as ``log_fn(step, {"fslr/<tensor>": value, ...})`` after every
-            recorded row (TensorBoard: ``lambda t, s: writer.add_scalars("fslr", s, t)``).
+        log_fn: called as ``log_fn(step, {"fslr/<tensor>": value, ...})`` (unknown values
+            left out) after every recorded row (TensorBoard:
+            ``lambda t, s: writer.add_scalars("fslr", s, t)``).
 
     Attributes:
         record: the :class:`~fslr_func.io.record.FSLRRecord` being filled.
@@ -235,8 +247,17 @@ class Recorder(StepController):
         reading = m.read()  # the row's one synchronisation
         values = {n.removeprefix(bare): v for n, v in reading.values.items()}
         moved = [n.removeprefix(bare) for n in reading.moved]
-        fslr = {n: values.get(n, 0.0) for n in names}
-        bad = [n for n, v in fslr.items() if not math.isfinite(v)]
+        # Without a valid estimate, a tensor whose probes were folded in (0/0: Z = 0) or whose
+        # update at a rate > 0 was zero (LoRA A while B = 0) did not move the function: 0.
+        # One that never had a finite probe, or only ever rate 0, is unknown (None), never 0.
+        measured = set(moved) - {n.removeprefix(bare) for n in reading.left_out}
+        fslr: dict[str, float | None] = {
+            n: values[n]
+            if n in values
+            else (0.0 if n in measured or (n not in moved and lrs.get(n, 0.0) > 0) else None)
+            for n in names
+        }
+        bad = [n for n, v in fslr.items() if v is not None and not math.isfinite(v)]
         if bad:
             warnings.warn(
                 f"Recorder: step {step} has non-finite FSLRs for {bad[:10]} (a diverged run?); "
@@ -248,7 +269,9 @@ class Recorder(StepController):
         moved_set = set(moved)
         notes = {
             "did not move (frozen, no gradient or rate 0): their row keeps the previous "
-            "estimate (0 if they never moved)": [n for n in names if n not in moved_set],
+            "estimate (unknown, None, if they have none and their rate is 0)": [
+                n for n in names if n not in moved_set
+            ],
             "were not trainable at the first recorded step and are not in the record": [
                 n for n in moved if n not in fslr
             ],
@@ -258,7 +281,7 @@ class Recorder(StepController):
                 self._note(f"{what} {which}", f"Recorder: step {step}: {which[:10]} {what}")
         self.record.append(step, fslr, lrs={n: lrs.get(n, 0.0) for n in names}, sched=sched)
         if self.log_fn is not None:
-            self.log_fn(step, {f"fslr/{n}": v for n, v in fslr.items()})
+            self.log_fn(step, {f"fslr/{n}": v for n, v in fslr.items() if v is not None})
 
     def _own_state(self) -> dict[str, Any]:
         return {"record": self.record.to_dict()}

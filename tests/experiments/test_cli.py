@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -279,3 +283,124 @@ def test_parse_lrs() -> None:
     assert parse_lrs("2^-2, 0.5,1e-1") == (0.25, 0.5, 0.1)
     assert parse_lrs("2**-3..2**-1") == (0.125, 0.25, 0.5)
     assert len(parse_lrs("2^-4..2^-2/4")) == 9
+
+
+# ------------------------------------------------------------------ hostile arguments (issue 21)
+
+HOSTILE = [
+    (["sweep", "--lrs", "2^-1000"], "--lrs", "[2^-40, 2^10]"),  # a JSON traceback before
+    (["sweep", "--lrs", "1e-400"], "--lrs", "[2^-40, 2^10]"),
+    (["sweep", "--lrs", "nan"], "--lrs", "[2^-40, 2^10]"),
+    (["sweep", "--lrs", "2^-40..2^10/99999999999999999999"], "--lrs", "[2^-40, 2^10]"),
+    (["sweep", "--lrs", ",".join(["0.1"] * 300)], "--lrs", "at most 256"),
+    (["sweep", "--lrs", "0x10"], "--lrs", "[2^-40, 2^10]"),
+    (["sweep", "--scales", "1,1e9"], "--scales", "[2^-6, 2^10]"),
+    (["sweep", "--scales", "1,2", "--width", "8192"], "--scales", "[1, 8192]"),
+    (["sweep", "--axis", "depth", "--depth", "100", "--scales", "1,8"], "--scales", "[1, 512]"),
+    (["sweep", "--steps", "9" * 30], "--steps", "[1, 1000000]"),
+    (["sweep", "--width", "-5"], "--width", "[1, 2^13]"),
+    (["sweep", "--weight-decay", "-1"], "--weight-decay", "[0, 10]"),
+    (["sweep", "--weight-decay", "inf"], "--weight-decay", "[0, 10]"),
+    (["sweep", "--init-scale", "0"], "--init-scale", "[2^-20, 2^20]"),
+    (["sweep", "--jobs", "100000"], "--jobs", "[1, 256]"),
+    (["sweep", "--num-samples", "5"], "--num-samples", "[100, 1000000]"),
+    (["sweep", "--seq-len", "1"], "--seq-len", "[2, 2^12]"),
+    (["demo", "--samples", "0"], "--samples", "[1, 2^12]"),
+    (["demo", "--warmup-samples", "1.5"], "--warmup-samples", "[1, 2^16]"),
+    (["demo", "--every", "-1"], "--every", "[1, 1000000]"),
+    (["check", "--lr", "2^-1000"], "--lr", "[2^-40, 2^10]"),
+    (["check", "--seed", "-1"], "--seed", "[0, 4294967295]"),
+    (["check", "--threshold", "1"], "--threshold", "[1, 2^20]"),
+    (["check", "--every", "50", "--steps", "10"], "--every", "[1, --steps=10]"),
+    (["check", "--steps", "1"], "--steps", "[2, 1000000]"),
+    (["check", "--scales", "1,1e6"], "--scales", "[2^-6, 2^10]"),
+    (["plot", "/dev/null"], "path", "record JSON file"),  # a device: never read forever
+    (["plot", "/etc/hostname"], "path", "not valid JSON"),
+]
+
+
+@pytest.mark.parametrize(("args", "flag", "accepted"), HOSTILE)
+def test_hostile_arguments_end_in_one_line_naming_argument_and_range(
+    args: list[str], flag: str, accepted: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    if args[0] != "plot":
+        args = [*args, "--out", str(tmp_path / "x")]
+    elif not Path(args[1]).exists():
+        pytest.skip(f"{args[1]} does not exist here")
+    with pytest.raises(SystemExit) as info:
+        main(args)
+    assert info.value.code == 2
+    line = _one_line_error(capsys, f"fslr {args[0]}: error: argument {flag}: ")
+    assert accepted in line, line
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_record_that_breaks_the_schema_is_one_line_naming_field_and_row(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fslr_func.io.record import FSLRRecord
+
+    path = tmp_path / "base.json"
+    FSLRRecord(steps=[0, 10], fslr={"w": [0.5, 0.25]}).save(path)
+    path.write_text(path.read_text().replace("0.25", '"0.25"'))
+    with pytest.raises(SystemExit):
+        main(["plot", str(path)])
+    line = _one_line_error(capsys, "fslr plot: error: argument path: ")
+    assert "fslr['w'] row 1 (step 10)" in line and "re-record" in line
+
+
+def test_an_unexpected_error_is_one_line_and_status_1(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("something nobody foresaw\nsecond line")
+
+    monkeypatch.setattr(sweep, "run_sweep", broken)
+    assert main(["sweep", *TINY, "--out", str(tmp_path)]) == 1
+    line = _one_line_error(capsys, "fslr: error: RuntimeError: something nobody foresaw (")
+    assert "FSLR_TRACEBACK=1" in line
+    monkeypatch.setenv("FSLR_TRACEBACK", "1")
+    with pytest.raises(RuntimeError, match="nobody foresaw"):
+        main(["sweep", *TINY, "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("command", ["demo", "sweep", "check"])
+def test_fuzzed_numbers_parse_or_name_their_argument(command: str) -> None:
+    """Random text for every number option: parsed into its range, or one argparse error
+    naming the option (the parser only: nothing runs)."""
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from fslr_func.experiments.cli import FLOAT_RANGES, INT_RANGES, build_parser
+
+    parser = build_parser()[1][command]
+    flags = [
+        a for a in parser._actions if a.option_strings and a.type is not None and a.dest != "out"
+    ]
+    texts = st.one_of(
+        st.text(max_size=12),
+        st.integers(-(10**30), 10**30).map(str),
+        st.floats(allow_nan=True, allow_infinity=True).map(repr),
+        st.integers(-3000, 3000).map(lambda k: f"2^{k}"),
+    )
+
+    @given(st.sampled_from(flags), texts)
+    def check(action: Any, text: str) -> None:
+        flag = action.option_strings[0]
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                value = parser.parse_args([f"{flag}={text}"])
+        except SystemExit as exit:
+            last = err.getvalue().strip().splitlines()[-1]
+            assert exit.code == 2 and f"error: argument {flag}: " in last, last
+            assert "Traceback" not in err.getvalue()
+            return
+        got = getattr(value, action.dest)
+        bounds = INT_RANGES.get(action.dest) or FLOAT_RANGES.get(action.dest)
+        for v in got if isinstance(got, tuple) else (got,):
+            if bounds is not None:
+                assert bounds[0] <= v <= bounds[1], (flag, text, v)
+            assert math.isfinite(v) and v >= 0, (flag, text, v)
+
+    check()

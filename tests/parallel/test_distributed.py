@@ -111,12 +111,21 @@ def _check_estimates(rank: int) -> None:
     with pytest.raises(ValueError, match="ranks disagree"):
         fd.probe(model, _shard(x_probe, rank), delta, samples=3 + rank)
 
-    # A rank whose shard cannot be probed (empty; NaN in a one-shot estimate) raises its own
-    # error and every other rank raises too, naming it, instead of waiting for it forever.
-    for bad, own in [(x_probe[:0], "probe batch is empty"), (x_probe * math.nan, "NaN or Inf")]:
+    # A rank whose shard cannot be probed (empty; NaN in a one-shot estimate; a forward that
+    # fails on it) makes every rank raise the same error, naming it and its error, instead of
+    # leaving the others waiting for it forever.
+    bad_shards = [
+        (x_probe[:0], "probe batch is empty"),
+        (x_probe * math.nan, "NaN or Inf"),
+        (x_probe[:, :3], "RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
+    ]
+    for bad, own in bad_shards:
         shard = bad if rank == 1 else _shard(x_probe, rank)
-        with pytest.raises(ValueError, match=own if rank == 1 else r"rank\(s\) \[1\] could not"):
+        with pytest.raises(
+            ValueError, match=rf"failed on rank\(s\) \[1\] \(rank 1: .*{own}"
+        ) as info:
             fd.estimate(model, shard, delta, samples=4, generator=torch.Generator().manual_seed(3))
+        _assert_same_message(str(info.value))
     # and the group is still usable: the next probe agrees across ranks
     _assert_same_on_all_ranks(
         fd.estimate(
@@ -127,6 +136,56 @@ def _check_estimates(rank: int) -> None:
             generator=torch.Generator().manual_seed(3),
         )
     )
+
+
+def _assert_same_message(message: str) -> None:
+    messages: list[str | None] = [None] * WORLD
+    dist.all_gather_object(messages, message)
+    assert len(set(messages)) == 1, messages
+
+
+def _check_every_draw_and_shard_layout(rank: int) -> None:
+    """Issue 21: every omega draw x shard sizes (even, uneven, one empty, both empty) x chunking
+    (one chunk, or chunks sized by the entries drawn) either works, with the same estimates on
+    every rank, or raises the same clear error on every rank (per-rank draws of uneven shards
+    were chunked differently per rank and aborted the group: gloo SIGABRT)."""
+    import fslr_func.probe.sampling as core
+
+    model = _mlp()
+    g = torch.Generator().manual_seed(7)
+    delta = {
+        n: 1e-2 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+        for n, p in model.named_parameters()
+    }
+    x = torch.randn(40, 5, generator=g, dtype=torch.float64)
+    budget = core.CHUNK_BYTES
+    try:
+        for chunk_bytes in (budget, 3000):  # 3000 bytes: a few samples per chunk, per omega size
+            core.CHUNK_BYTES = chunk_bytes
+            for sizes in [(20, 20), (36, 4), (1, 39), (40, 0), (0, 0)]:
+                for draw in fd.OMEGA_DRAWS:
+                    shard = x[: sizes[0]] if rank == 0 else x[sizes[0] : sum(sizes)]
+                    case = f"{draw} {sizes} {chunk_bytes}"
+                    try:
+                        got = fd.estimate(
+                            model, shard, delta, samples=8, omega_draw=draw,  # type: ignore[arg-type]
+                            generator=torch.Generator().manual_seed(3),
+                        )  # fmt: skip
+                    except ValueError as err:
+                        assert 0 in sizes, (case, err)  # only an empty shard may fail
+                        assert "probe batch is empty" in str(err), case
+                        _assert_same_message(str(err))
+                        continue
+                    assert 0 not in sizes, case
+                    _assert_same_on_all_ranks(got)
+                    if draw == "global" and rank == 0:
+                        want = ff.estimate(
+                            model, x[: sum(sizes)], delta, samples=8,
+                            generator=torch.Generator().manual_seed(3),
+                        )  # fmt: skip
+                        _assert_close(got, want)
+    finally:
+        core.CHUNK_BYTES = budget
 
 
 def _check_sparse_embedding(rank: int) -> None:
@@ -221,6 +280,7 @@ def _check_flerm(rank: int) -> None:
 
 def _checks(rank: int) -> None:
     _check_estimates(rank)
+    _check_every_draw_and_shard_layout(rank)
     _check_sparse_embedding(rank)
     _check_ddp_with_fslr(rank)
     _check_flerm(rank)
