@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import re
 import sys
 import time
 from collections.abc import Sequence
@@ -35,360 +33,35 @@ from typing import Any
 
 from ..io.atomic import write_json
 from ..io.record_meta import library_version
-from ..training.policies import POLICIES
+from .cli_args import (
+    FLOAT_RANGES,
+    INT_RANGES,
+    LR_RANGE,
+    MAX_DEPTH,
+    MAX_WIDTH,
+    SWEEP_OPTIONS,
+    check_modes_type,
+    integer_type,
+    parse_lrs,
+    real_type,
+    value_range,
+)
 from .configs import (
-    AXES,
-    DATA,
     DEMO,
     DEPTH_AXES,
-    FLERM_INITS,
-    MODELS,
-    MODES,
-    NORMS,
     WIDTH_AXES,
     ConfigError,
     SweepConfig,
 )
-from .train import OPTIMIZERS, SCHEDULES
+from .train import OPTIMIZERS
 
-__all__ = ["build_parser", "main", "parse_lrs"]
+__all__ = ["build_parser", "main", "parse_lrs"]  # parse_lrs: its home is cli_args
 
-_NUMBER = r"[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?"
-
-
-def _number(text: str) -> float:
-    """A float, or ``2^k`` / ``2**k``."""
-    t = text.strip()
-    m = re.fullmatch(rf"2\s*(?:\^|\*\*)\s*({_NUMBER})", t)
-    try:
-        value = 2.0 ** float(m.group(1)) if m else float(t)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a number") from None
-    except OverflowError:  # 2^2000
-        raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a finite number") from None
-    if not math.isfinite(value):
-        raise argparse.ArgumentTypeError(f"{text.strip()!r} is not a finite number")
-    return value
-
-
-def parse_lrs(text: str) -> tuple[float, ...]:
-    """Learning rates from the command line: a comma list of numbers or ``2^k`` and ranges.
-
-    ``LO..HI`` is one learning rate per octave from ``LO`` up to ``HI``; ``LO..HI/N`` has ``N``
-    per octave.
-
-    Examples:
-        >>> parse_lrs("1e-3, 2^-4")
-        (0.001, 0.0625)
-        >>> [f"{x:g}" for x in parse_lrs("2^-4..2^-2")]
-        ['0.0625', '0.125', '0.25']
-        >>> len(parse_lrs("2^-4..2^-2/2"))
-        5
-    """
-    out: list[float] = []
-    for item in text.split(","):
-        item = item.strip()
-        if not item:
-            raise argparse.ArgumentTypeError(f"empty item in {text!r}")
-        if ".." in item:
-            span, _, per = item.partition("/")
-            lo_text, _, hi_text = span.partition("..")
-            lo, hi = _number(lo_text), _number(hi_text)
-            try:
-                n = int(per) if per else 1
-            except ValueError:
-                raise argparse.ArgumentTypeError(
-                    f"{per!r} in {item!r} is not a whole number of learning rates per octave"
-                ) from None
-            if lo <= 0 or hi < lo or n < 1:
-                raise argparse.ArgumentTypeError(
-                    f"range {item!r} needs 0 < LO <= HI and a positive count per octave"
-                )
-            k = 0
-            while lo * 2.0 ** (k / n) <= hi * (1 + 1e-9):
-                out.append(lo * 2.0 ** (k / n))
-                k += 1
-                if k > 10_000:
-                    raise argparse.ArgumentTypeError(f"range {item!r} is too long")
-        else:
-            out.append(_number(item))
-    bad = [x for x in out if x <= 0]
-    if bad:
-        raise argparse.ArgumentTypeError(f"learning rates must be > 0, got {bad[0]:g}")
-    return tuple(out)
-
-
-LR_RANGE = (2.0**-40, 2.0**10)
-"""Learning rates the command accepts (every sweep rate, ``fslr check --lr``)."""
-
-SCALE_RANGE = (2.0**-6, 2.0**10)
-"""Scale multipliers the command accepts."""
-
-MAX_WIDTH = 2**13
-"""Largest width (base width times scale) of a built-in model."""
-
-MAX_DEPTH = 2**9
-"""Largest number of blocks (base depth times scale) of a built-in model."""
-
-MAX_VALUES = 256
-"""Most learning rates or scales one sweep takes."""
-
-INT_RANGES: dict[str, tuple[int, int]] = {
-    "steps": (1, 10**6),
-    "seeds": (1, 100),
-    "width": (1, MAX_WIDTH),
-    "depth": (1, MAX_DEPTH),
-    "batch_size": (1, 2**16),
-    "num_samples": (100, 10**6),
-    "seq_len": (2, 2**12),
-    "last": (1, 10**6),
-    "samples": (1, 2**12),
-    "warmup_samples": (1, 2**16),
-    "every": (1, 10**6),
-    "jobs": (1, 256),
-    "seed": (0, 2**32 - 1),
-}
-"""Accepted range of every whole-number option, both ends included."""
-
-FLOAT_RANGES: dict[str, tuple[float, float]] = {
-    "lr": LR_RANGE,
-    "init_scale": (2.0**-20, 2.0**20),
-    "weight_decay": (0.0, 10.0),
-    "threshold": (1.0, 2.0**20),
-}
-"""Accepted range of every number option, both ends included (``threshold`` excludes 1)."""
-
-
-def _range(lo: float, hi: float) -> str:
-    """``[lo, hi]`` as the messages show it (``2^k`` for powers of two).
-
-    Example:
-        >>> _range(2.0**-40, 1024.0), _range(1, 100), _range(0.0, 10.0), _range(2.0**-6, 0.5)
-        ('[2^-40, 2^10]', '[1, 100]', '[0, 10]', '[2^-6, 2^-1]')
-    """
-
-    def show(x: float) -> str:
-        k = math.log2(x) if x > 0 else 0.5
-        if k.is_integer() and (k < 0 or k >= 10):
-            return f"2^{int(k)}"
-        return str(int(x)) if float(x).is_integer() else f"{x:g}"
-
-    return f"[{show(lo)}, {show(hi)}]"
-
-
-def _in_range(value: float, lo: float, hi: float, what: str, text: str) -> None:
-    if not lo <= value <= hi:
-        raise argparse.ArgumentTypeError(f"{what} in {_range(lo, hi)}, got {text!r}")
-
-
-def _accepted(parse: Any, what: str, lo: float, hi: float) -> Any:
-    """``parse`` whose errors end with the accepted range."""
-
-    def checked(text: str) -> Any:
-        try:
-            return parse(text)
-        except argparse.ArgumentTypeError as err:
-            if " in [" in str(err):
-                raise
-            raise argparse.ArgumentTypeError(
-                f"{err}; accepted: {what} in {_range(lo, hi)}"
-            ) from None
-
-    checked.__name__ = getattr(parse, "__name__", what)
-    return checked
-
-
-def _values(text: str, what: str, lo: float, hi: float) -> tuple[float, ...]:
-    """A comma list of numbers, each in ``[lo, hi]``, at most :data:`MAX_VALUES`."""
-    values = tuple(_number(item) for item in text.split(","))
-    if len(values) > MAX_VALUES:
-        raise argparse.ArgumentTypeError(f"at most {MAX_VALUES} {what}, got {len(values)}")
-    for v in values:
-        _in_range(v, lo, hi, f"{what} must be", f"{v:g}")
-    return values
-
-
-_scales = _accepted(lambda text: _values(text, "scales", *SCALE_RANGE), "scales", *SCALE_RANGE)
-_lrs = _accepted(
-    lambda text: _values(",".join(repr(v) for v in parse_lrs(text)), "learning rates", *LR_RANGE),
-    "learning rates",
-    *LR_RANGE,
-)
-
-
-def _integer(field: str) -> Any:
-    """argparse type: a whole number in ``INT_RANGES[field]``."""
-    lo, hi = INT_RANGES[field]
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text.strip(), 10)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"{text.strip()[:40]!r} is not a whole number"
-            ) from None
-        _in_range(value, lo, hi, "must be a whole number", text.strip())
-        return value
-
-    parse.__name__ = field  # argparse names the type in its own messages
-    return _accepted(parse, "a whole number", lo, hi)
-
-
-def _real(field: str) -> Any:
-    """argparse type: a number (or ``2^k``) in ``FLOAT_RANGES[field]``."""
-    lo, hi = FLOAT_RANGES[field]
-
-    def parse(text: str) -> float:
-        value = _number(text)
-        _in_range(value, lo, hi, "must be a number", text.strip())
-        if field == "threshold" and value == 1.0:
-            raise argparse.ArgumentTypeError("the factor must be > 1, got 1")
-        return value
-
-    parse.__name__ = field
-    return _accepted(parse, "a number", lo, hi)
-
-
-def _modes(text: str) -> tuple[str, ...]:
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    bad = [m for m in modes if m not in MODES]
-    if bad or not modes:
-        raise argparse.ArgumentTypeError(
-            f"choose from {', '.join(MODES)} (comma-separated), got {text!r}"
-        )
-    return modes
-
-
-def _check_modes(text: str) -> tuple[str, ...]:
-    from .check import CHECK_MODES
-
-    modes = tuple(m.strip() for m in text.split(",") if m.strip())
-    if not modes or any(m not in CHECK_MODES for m in modes):
-        raise argparse.ArgumentTypeError(
-            f"choose from {', '.join(CHECK_MODES)} (comma-separated), got {text!r}"
-        )
-    return modes
-
-
-# config field -> (flag, argparse kwargs)
-_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "model": ("--model", {"choices": MODELS, "help": "model family"}),
-    "axis": ("--axis", {"choices": AXES, "help": "what to scale (the smallest scale is the base)"}),
-    "scales": (
-        "--scales",
-        {
-            "type": _scales,
-            "metavar": "S,S,...",
-            "help": f"scale multipliers in {_range(*SCALE_RANGE)}, e.g. 1,2,4,8",
-        },
-    ),
-    "lrs": (
-        "--lrs",
-        {
-            "type": _lrs,
-            "metavar": "LRS",
-            "help": "learning rates: comma list of numbers or 2^k, or LO..HI (one per octave), "
-            f"LO..HI/N (N per octave), e.g. 2^-13..2^-5; each in {_range(*LR_RANGE)}",
-        },
-    ),
-    "steps": ("--steps", {"type": _integer("steps"), "help": "optimiser steps per run"}),
-    "seeds": (
-        "--seeds",
-        {"type": _integer("seeds"), "help": "seeds per run (base records averaged)"},
-    ),
-    "data": (
-        "--data",
-        {
-            "choices": sorted({d for ds in DATA.values() for d in ds}),
-            "help": "mnist1d or digits (resmlp), text (transformer)",
-        },
-    ),
-    "width": ("--width", {"type": _integer("width"), "help": "base width (ResMLP units, d_model)"}),
-    "depth": ("--depth", {"type": _integer("depth"), "help": "base number of residual blocks"}),
-    "init_scale": (
-        "--init-scale",
-        {"type": _real("init_scale"), "help": "base init scale of the block weights"},
-    ),
-    "batch_size": ("--batch-size", {"type": _integer("batch_size"), "help": "training batch size"}),
-    "num_samples": (
-        "--num-samples",
-        {"type": _integer("num_samples"), "help": "MNIST-1D samples generated (train + test)"},
-    ),
-    "seq_len": ("--seq-len", {"type": _integer("seq_len"), "help": "transformer context length"}),
-    "norm": (
-        "--norm",
-        {
-            "choices": NORMS,
-            "help": "transformer norm placement: x + f(Norm(x)) (prenorm), Norm(x + f(x)) "
-            "(postnorm) or x + Norm(f(x)) (prenormpostmod)",
-        },
-    ),
-    "last": (
-        "--last",
-        {"type": _integer("last"), "help": "a run's loss is the mean over its last LAST batches"},
-    ),
-    "samples": ("--samples", {"type": _integer("samples"), "help": "omega samples per FSLR probe"}),
-    "warmup_samples": (
-        "--warmup-samples",
-        {
-            "type": _integer("warmup_samples"),
-            "help": "omega samples of the EMA warm-up (paper: 40)",
-        },
-    ),
-    "every": (
-        "--every",
-        {"type": _integer("every"), "help": "base runs record FSLRs every EVERY steps"},
-    ),
-    "modes": ("--modes", {"type": _modes, "help": "which modes to run, comma-separated"}),
-    "strategy": (
-        "--strategy",
-        {
-            "choices": ("vmap", "loop", "autograd", "auto"),
-            "help": "probe strategy (pinned for reproducible sweeps; auto decides by timing)",
-        },
-    ),
-    "optimizer": (
-        "--optimizer",
-        {"choices": OPTIMIZERS, "help": "optimiser of every mode (sgd: momentum 0.9)"},
-    ),
-    "weight_decay": (
-        "--weight-decay",
-        {"type": _real("weight_decay"), "help": "weight decay (decoupled for adamw)"},
-    ),
-    "schedule": (
-        "--schedule",
-        {"choices": SCHEDULES, "help": "learning-rate schedule (warmup_cosine: 10%% warm-up)"},
-    ),
-    "flerm_policy": (
-        "--policy",
-        {
-            "choices": tuple(POLICIES),
-            "help": "FLeRM's policy (default: share_blocks where the depth changes, else "
-            "identity; equal and equal_all are the paper's ablations)",
-        },
-    ),
-    "flerm_init": (
-        "--flerm-init",
-        {
-            "choices": FLERM_INITS,
-            "help": "FLeRM's models: the standard initialisation, or muP's initialisation and "
-            "readout multiplier (FLeRM still sets every rate)",
-        },
-    ),
-    "flerm_mode": (
-        "--flerm-mode",
-        {
-            "choices": ("static", "periodic"),
-            "help": "FLeRM sets the rates once after the warm-up (static, the paper's main "
-            "results) or also every EVERY steps (periodic)",
-        },
-    ),
-}
-_FLAG = {field: flag for field, (flag, _) in _OPTIONS.items()}
+_FLAG = {field: flag for field, (flag, _) in SWEEP_OPTIONS.items()}
 
 
 def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: str) -> None:
-    for field, (flag, kwargs) in _OPTIONS.items():
+    for field, (flag, kwargs) in SWEEP_OPTIONS.items():
         default = getattr(defaults, field)
         shown = (
             ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
@@ -396,14 +69,14 @@ def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: s
             else default
         )
         bounds = INT_RANGES.get(field) or FLOAT_RANGES.get(field)
-        notes = [f"in {_range(*bounds)}"] if bounds else []
+        notes = [f"in {value_range(*bounds)}"] if bounds else []
         notes += [] if default is None else [f"default: {shown}"]
         help_text = f"{kwargs['help']} ({'; '.join(notes)})" if notes else kwargs["help"]
         p.add_argument(flag, dest=field, default=None, **{**kwargs, "help": help_text})
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default: {out})")
     p.add_argument(
         "--jobs",
-        type=_integer("jobs"),
+        type=integer_type("jobs"),
         default=None,
         help="worker processes, one single-threaded run each (default: the CPU cores, at most 8)",
     )
@@ -459,30 +132,36 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "check.png.",
     )
     for field in ("model", "axis", "scales", "data", "width", "depth", "batch_size"):
-        flag, kwargs = _OPTIONS[field]
+        flag, kwargs = SWEEP_OPTIONS[field]
         check.add_argument(flag, dest=field, default=None, **kwargs)
     check.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default: adam)")
     check.add_argument(
-        "--lr", type=_real("lr"), default=2.0**-6, help=f"in {_range(*LR_RANGE)} (default: 2^-6)"
+        "--lr",
+        type=real_type("lr"),
+        default=2.0**-6,
+        help=f"in {value_range(*LR_RANGE)} (default: 2^-6)",
     )
     check.add_argument(
-        "--steps", type=_integer("steps"), default=10, help="steps per run, >= 2 (default: 10)"
+        "--steps", type=integer_type("steps"), default=10, help="steps per run, >= 2 (default: 10)"
     )
     check.add_argument(
-        "--seed", type=_integer("seed"), default=0, help="seed of every run (default: 0)"
+        "--seed", type=integer_type("seed"), default=0, help="seed of every run (default: 0)"
     )
     check.add_argument(
         "--modes",
-        type=_check_modes,
+        type=check_modes_type,
         default=("standard", "flerm"),
         help="standard, mup and/or flerm, comma-separated (default: standard,flerm)",
     )
     check.add_argument(
-        "--every", type=_integer("every"), default=1, help="probe every EVERY steps (default: 1)"
+        "--every",
+        type=integer_type("every"),
+        default=1,
+        help="probe every EVERY steps (default: 1)",
     )
     check.add_argument(
         "--threshold",
-        type=_real("threshold"),
+        type=real_type("threshold"),
         default=2.0,
         help="flag tensors whose movement changes by more than this factor (default: 2)",
     )
@@ -492,7 +171,7 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 
 
 def _config(args: argparse.Namespace, demo: bool) -> SweepConfig:
-    given = {f: getattr(args, f) for f in _OPTIONS if getattr(args, f) is not None}
+    given = {f: getattr(args, f) for f in SWEEP_OPTIONS if getattr(args, f) is not None}
     if demo:
         return DEMO.replace(**given)
     model = given.pop("model", "resmlp")

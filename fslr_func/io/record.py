@@ -37,22 +37,20 @@ Examples:
 from __future__ import annotations
 
 import bisect
-import copy
-import csv
-import io
 import json
-import math
 import numbers
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 from ..probe.names import short_list
 from . import record_schema as schema
 from .atomic import atomic_write_text
+from .record_mean import seed_mean
 from .record_meta import META_KEYS, default_meta, grouping_meta, library_version, optimizer_meta
 from .record_schema import FORMAT, UNKNOWN, VERSION
+from .record_tables import csv_text, data_frame, table_rows
 
 __all__ = [
     "FORMAT",
@@ -348,8 +346,8 @@ class FSLRRecord:
         """Average records of the same run over seeds (the paper averages 8 seeds).
 
         ``fslr``, ``lrs`` and ``sched`` are arithmetic means, step by step:
-        ``FSLR_W(t) = (1/S) sum_s FSLR_W^(s)(t)``, computed in log space (:func:`_mean`), so
-        the mean of any finite values is finite. An FSLR unknown in some seeds is the mean
+        ``FSLR_W(t) = (1/S) sum_s FSLR_W^(s)(t)``, so that the mean of any finite values is
+        finite (:mod:`fslr_func.io.record_mean`). An FSLR unknown in some seeds is the mean
         of the seeds that know it (each estimates the same quantity); unknown in all, it
         stays unknown. ``meta`` is the first record's, with ``seed`` the list of all seeds
         (lists of seeds of earlier means are flattened).
@@ -367,31 +365,7 @@ class FSLRRecord:
             >>> m.fslr, m.meta["seed"]
             ({'w': [2.0], 'b': [2.0]}, [0, 1])
         """
-        recs = list(records)
-        schema.check_compatible(recs)
-        first = recs[0]
-
-        def avg(columns: list[Sequence[float | None]]) -> list[float | None]:
-            out: list[float | None] = []
-            for column in zip(*columns, strict=True):
-                known = [v for v in column if v is not None]
-                out.append(_mean(known) if known else None)
-            return out
-
-        seeds: list[Any] = []
-        for rec in recs:
-            seed = rec.meta.get("seed")
-            seeds.extend(seed if isinstance(seed, list) else [seed])
-        meta = copy.deepcopy(first.meta)
-        meta["seed"] = seeds
-        return cls(
-            steps=list(first.steps),
-            fslr={name: avg([r.fslr[name] for r in recs]) for name in first.fslr},
-            # no None among rates and ratios: their means are all numbers
-            lrs={name: cast(list[float], avg([r.lrs[name] for r in recs])) for name in first.lrs},
-            sched=cast(list[float], avg([r.sched for r in recs])),
-            meta=meta,
-        )
+        return cls(**seed_mean(list(records)))
 
     # ------------------------------------------------------------------ (de)serialisation
 
@@ -507,15 +481,7 @@ class FSLRRecord:
             >>> FSLRRecord(steps=[0], fslr={"w": [0.5]}, lrs={"w": [0.1]}).to_rows()
             [{'step': 0, 'sched': 1.0, 'fslr/w': 0.5, 'lr/w': 0.1}]
         """
-        return [
-            {
-                "step": step,
-                "sched": self.sched[i],
-                **{f"fslr/{n}": v[i] for n, v in self.fslr.items()},
-                **{f"lr/{n}": v[i] for n, v in self.lrs.items()},
-            }
-            for i, step in enumerate(self.steps)
-        ]
+        return table_rows(self)
 
     def to_csv(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`to_rows` as CSV (a header row, then one row per step; an unknown FSLR
@@ -528,12 +494,7 @@ class FSLRRecord:
             ...     print(open(os.path.join(d, "r.csv")).read().split())
             ['step,sched,fslr/w', '0,1.0,0.5']
         """
-        rows = self.to_rows()
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["step", "sched"])
-        writer.writeheader()
-        writer.writerows(rows)
-        atomic_write_text(path, out.getvalue())
+        atomic_write_text(path, csv_text(self))
 
     def to_pandas(self) -> Any:
         """:meth:`to_rows` as a ``pandas.DataFrame`` indexed by ``step`` (unknown: NaN).
@@ -541,13 +502,7 @@ class FSLRRecord:
         Raises:
             ImportError: pandas is not installed (``pip install pandas``).
         """
-        try:
-            import pandas as pd
-        except ImportError as err:
-            raise ImportError(
-                "FSLRRecord.to_pandas needs pandas: pip install pandas (or use to_rows/to_csv)"
-            ) from err
-        return pd.DataFrame(self.to_rows()).set_index("step")
+        return data_frame(self)
 
 
 def _nearest(values: Sequence[float | None], i: int) -> float | None:
@@ -559,27 +514,6 @@ def _nearest(values: Sequence[float | None], i: int) -> float | None:
     """
     order = [*range(i, -1, -1), *range(i + 1, len(values))]
     return next((v for j in order if (v := values[j]) is not None), None)
-
-
-def _mean(values: Sequence[float]) -> float:
-    r"""Arithmetic mean of finite values ``>= 0`` that cannot overflow.
-
-    The sum is taken in log space, ``log sum_i v_i = log m + log sum_i (v_i / m)`` with
-    ``m = max_i v_i`` (log-sum-exp), and the mean is ``m * ((1/n) sum_i v_i / m)``: every term
-    and partial sum is at most ``n``, so values near the float maximum average to a finite
-    number where ``math.fsum`` raises ``OverflowError``. Equal values (typical for ``lrs`` and
-    ``sched``) come back exactly.
-
-    Examples:
-        >>> _mean([1.0, 3.0]), _mean([0.1, 0.1, 0.1]), _mean([0.0, 0.0])
-        (2.0, 0.1, 0.0)
-        >>> _mean([1.7e308, 1.5e308])
-        1.6e+308
-    """
-    if values.count(values[0]) == len(values):  # all zero included
-        return values[0]
-    m = max(values)
-    return m * (math.fsum(v / m for v in values) / len(values))
 
 
 def _check_names(have: Mapping[str, object], given: Mapping[str, object], what: str) -> None:

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from fslr_func.experiments import sweep
-from fslr_func.experiments.cli import main, parse_lrs
+from fslr_func.experiments.cli import main
+from fslr_func.experiments.cli_args import parse_lrs
 
 PNGS = ("transfer.png", "fslr_time.png", "flerm_lrs.png")
 # a tiny configuration of the demo: digits (instant to load), widths 8 and 16, 2 lrs, 8 steps
@@ -371,7 +372,8 @@ def test_fuzzed_numbers_parse_or_name_their_argument(command: str) -> None:
     from hypothesis import given
     from hypothesis import strategies as st
 
-    from fslr_func.experiments.cli import FLOAT_RANGES, INT_RANGES, build_parser
+    from fslr_func.experiments.cli import build_parser
+    from fslr_func.experiments.cli_args import FLOAT_RANGES, INT_RANGES
 
     parser = build_parser()[1][command]
     flags = [

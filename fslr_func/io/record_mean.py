@@ -1,0 +1,78 @@
+r"""The mean of records of one run over seeds (the paper averages 8 seeds).
+
+``fslr``, ``lrs`` and ``sched`` are arithmetic means, step by step,
+:math:`\mathrm{FSLR}_W(t) = \frac{1}{S} \sum_s \mathrm{FSLR}_W^{(s)}(t)`, computed so that the
+mean of any finite values is finite (:func:`mean_of`). An FSLR unknown in some seeds is the
+mean of the seeds that know it (each estimates the same quantity); unknown in all, it stays
+unknown. ``meta`` is the first record's, with ``seed`` the list of all seeds.
+
+Examples:
+    >>> from fslr_func.io.record import FSLRRecord
+    >>> a = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"seed": 0})
+    >>> b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1})
+    >>> seed_mean([a, b])["fslr"]
+    {'w': [2.0]}
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from typing import Any, cast
+
+from .record_schema import Series, check_compatible
+
+__all__ = ["mean_of", "seed_mean"]
+
+
+def mean_of(values: Sequence[float]) -> float:
+    r"""Arithmetic mean of finite values ``>= 0`` that cannot overflow.
+
+    The sum is taken in log space, ``log sum_i v_i = log m + log sum_i (v_i / m)`` with
+    ``m = max_i v_i`` (log-sum-exp), and the mean is ``m * ((1/n) sum_i v_i / m)``: every term
+    and partial sum is at most ``n``, so values near the float maximum average to a finite
+    number where ``math.fsum`` raises ``OverflowError``. Equal values (typical for ``lrs`` and
+    ``sched``) come back exactly.
+
+    Examples:
+        >>> mean_of([1.0, 3.0]), mean_of([0.1, 0.1, 0.1]), mean_of([0.0, 0.0])
+        (2.0, 0.1, 0.0)
+        >>> mean_of([1.7e308, 1.5e308])
+        1.6e+308
+    """
+    if values.count(values[0]) == len(values):  # all zero included
+        return values[0]
+    m = max(values)
+    return m * (math.fsum(v / m for v in values) / len(values))
+
+
+def _column_means(columns: list[Sequence[float | None]]) -> list[float | None]:
+    """Step by step, the mean of the known values (``None`` where none is known)."""
+    out: list[float | None] = []
+    for column in zip(*columns, strict=True):
+        known = [v for v in column if v is not None]
+        out.append(mean_of(known) if known else None)
+    return out
+
+
+def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
+    """The fields (``steps``, ``fslr``, ``lrs``, ``sched``, ``meta``) of the mean record.
+
+    Raises:
+        ValueError: no records, or records of different runs
+            (:func:`~fslr_func.io.record_schema.check_compatible` names what differs).
+    """
+    check_compatible(records)
+    first = records[0]
+    seeds: list[Any] = []
+    for rec in records:
+        seed = rec.meta.get("seed")
+        seeds.extend(seed if isinstance(seed, list) else [seed])
+    meta = copy.deepcopy(dict(first.meta))
+    meta["seed"] = seeds
+    fslr = {n: _column_means([cast(Any, r.fslr)[n] for r in records]) for n in first.fslr}
+    # no None among rates and ratios: their means are all numbers
+    lrs = {n: _column_means([cast(Any, r.lrs)[n] for r in records]) for n in first.lrs}
+    sched = _column_means([cast(Any, r).sched for r in records])
+    return {"steps": list(first.steps), "fslr": fslr, "lrs": lrs, "sched": sched, "meta": meta}
