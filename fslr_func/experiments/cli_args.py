@@ -167,6 +167,7 @@ def value_range(lo: float, hi: float) -> str:
 
 
 def in_range(value: float, lo: float, hi: float, what: str, text: str) -> None:
+    """Refuse ``value`` outside ``[lo, hi]`` (``argparse.ArgumentTypeError`` naming both)."""
     if not lo <= value <= hi:
         raise argparse.ArgumentTypeError(f"{what} in {value_range(lo, hi)}, got {text!r}")
 
@@ -240,6 +241,7 @@ def real_type(field: str) -> Any:
 
 
 def modes_type(text: str) -> tuple[str, ...]:
+    """argparse type of ``--modes``: a comma list of the sweep modes."""
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
     bad = [m for m in modes if m not in MODES]
     if bad or not modes:
@@ -250,6 +252,7 @@ def modes_type(text: str) -> tuple[str, ...]:
 
 
 def check_modes_type(text: str) -> tuple[str, ...]:
+    """argparse type of ``fslr check --modes``: a comma list of its modes."""
     from .check import CHECK_MODES  # (check imports the training loop: only when asked)
 
     modes = tuple(m.strip() for m in text.split(",") if m.strip())
