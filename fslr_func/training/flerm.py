@@ -77,8 +77,8 @@ from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from . import policies
 from .controller import LogFn, StepController
-from .flerm_rule import match, rate
-from .flerm_targets import BaseTargets, PastEnd, Unknown
+from .flerm_rule import Match, match, rate
+from .flerm_targets import BaseTargets, Note, PastEnd, Unknown
 from .probe_schedule import ProbePlan
 from .update_scaling import UpdateScaler
 from .wrapper import FSLRModule, Measurement
@@ -346,27 +346,7 @@ class FLeRM(StepController):
                 RuntimeWarning,
                 stacklevel=5,
             )
-        self._note_each(
-            matched.unmatched,
-            f"FLeRM step {step}: {{}} have no base tensor to match (parameters added to the "
-            "model after FLeRM was built and absent from the base record); they keep their "
-            "group's learning rate (record a base run with them to match them)",
-        )
-        if matched.nonfinite:
-            warnings.warn(
-                f"FLeRM step {step}: no finite FSLR estimate or rate, or a rate too large for "
-                f"the parameter's dtype, for {list(matched.nonfinite[:10])} (every probe of this "
-                "set point was left out as not finite, the estimate overflowed, or the base "
-                "record's FSLR is absurd); they keep their previous learning rate",
-                RuntimeWarning,
-                stacklevel=5,
-            )
-        self._note_each(
-            matched.zero,
-            f"FLeRM step {step}: the FSLR or base target of {{}} is zero or below "
-            f"min_fslr={self.min_fslr:g} (e.g. LoRA A while B is still zero); they keep "
-            "their current learning rate (start FLeRM later with start_step=...)",
-        )
+        _report(matched, step, self.min_fslr, self._note_each)
         rates = self._rates_at(step)
         return SetPoint(
             step=step,
@@ -393,3 +373,29 @@ class FLeRM(StepController):
             )
         self.ratios = {str(k): float(v) for k, v in state["ratios"].items()}
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
+
+
+def _report(matched: Match, step: int, min_fslr: float, note: Note) -> None:
+    """Warn about the tensors a set point could not match (each named once, the non-finite
+    ones every time)."""
+    note(
+        matched.unmatched,
+        f"FLeRM step {step}: {{}} have no base tensor to match (parameters added to the "
+        "model after FLeRM was built and absent from the base record); they keep their "
+        "group's learning rate (record a base run with them to match them)",
+    )
+    if matched.nonfinite:
+        warnings.warn(
+            f"FLeRM step {step}: no finite FSLR estimate or rate, or a rate too large for "
+            f"the parameter's dtype, for {list(matched.nonfinite[:10])} (every probe of this "
+            "set point was left out as not finite, the estimate overflowed, or the base "
+            "record's FSLR is absurd); they keep their previous learning rate",
+            RuntimeWarning,
+            stacklevel=6,
+        )
+    note(
+        matched.zero,
+        f"FLeRM step {step}: the FSLR or base target of {{}} is zero or below "
+        f"min_fslr={min_fslr:g} (e.g. LoRA A while B is still zero); they keep "
+        "their current learning rate (start FLeRM later with start_step=...)",
+    )

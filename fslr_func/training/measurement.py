@@ -21,14 +21,16 @@ Examples:
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
+from ..probe.functional import is_dtensor
 from ..probe.names import short_list
 from ..stats.estimator import EMA, fslr_from_log
+from .rates import ScaledSince, group_rates, rates_in_force
 
 __all__ = ["Measurement", "Reading", "Row", "read_estimates"]
 
@@ -63,6 +65,45 @@ class Measurement:
     reported: dict[str, int] = field(default_factory=dict)
     _reading: Reading | None = None
 
+    @classmethod
+    def before_step(
+        cls, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+    ) -> tuple[Measurement, ScaledSince]:
+        """Snapshot the tensors the optimisers will update at a non-zero rate (a zero-size
+        tensor moves nothing: it has no FSLR and is not probed).
+
+        Raises:
+            ValueError: the optimisers update none of ``module``'s parameters, or every rate
+                is 0 at this step.
+        """
+        held = {n: lr for o in optimizers for n, lr in group_rates(module, o).items()}
+        if not held:
+            raise ValueError(
+                "the optimiser updates none of the module's trainable parameters: build it "
+                "from fm.parameters()"
+            )
+        current = dict(module.named_parameters())
+        rates = {n: lr for o in optimizers for n, lr in rates_in_force(module, o).items()}
+        lrs = {n: lr for n, lr in held.items() if rates[n] != 0.0 and current[n].numel() > 0}
+        if not lrs:
+            raise ValueError(
+                "every learning rate is 0 at this step (a warm-up from 0?): there is no update "
+                "to measure; measure a step with a non-zero rate (Recorder and FLeRM wait for "
+                "one by themselves)"
+            )
+        before = {n: current[n].detach().clone() for n in lrs}
+        # FLeRM may scale this step's update inside the block: then it was taken at its rate
+        return cls(before, lrs), ScaledSince(optimizers)
+
+    def after_step(self, module: nn.Module, scaled: ScaledSince) -> None:
+        """The unit-rate updates ``(after - before) / lr``, each divided by the rate it was
+        taken at, and which tensors moved (decided on the device: reading it would
+        synchronise every step; an unchanged tensor's probe is computed but not folded in)."""
+        current = dict(module.named_parameters())
+        self.lrs = lrs = {**self.lrs, **scaled.rates(module, self.lrs)}
+        self.delta = {n: (current[n].detach() - self.before[n]) / lrs[n] for n in lrs}
+        self.changed = {n: _changed(self.delta[n]) for n in lrs}
+
     def read(self) -> Reading:
         """This step's estimates on the host: one synchronisation (:func:`read_estimates`),
         made once and kept; empty before the block exits."""
@@ -91,6 +132,13 @@ class Measurement:
         """Tensors that moved but none of whose probes at this step could be folded in (their
         statistics were not finite)."""
         return self.read().left_out
+
+
+def _changed(delta: Tensor) -> Tensor:
+    """Whether an update is non-zero anywhere: a 0-d bool on the device. An FSDP2 shard's
+    answer is reduced over the ranks (a DTensor's ``full_tensor``), so every rank agrees."""
+    flag = (delta != 0).any()
+    return flag.full_tensor() if is_dtensor(flag) else flag  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)

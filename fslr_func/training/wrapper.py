@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..probe.functional import Inputs, check_single_process, is_dtensor, readout_module
+from ..probe.functional import Inputs, check_single_process, readout_module
 from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
 from ..probe.sampling import GradientReduction, run_probe
@@ -44,7 +44,6 @@ from ..stats.estimator import (
     mean_valid_log_stats,
 )
 from .measurement import Measurement, Reading, read_estimates
-from .rates import ScaledSince, group_rates, rates_in_force
 from .wrapper_state import extra_state, load_bare, load_extra_state, save_bare
 
 if TYPE_CHECKING:
@@ -53,13 +52,6 @@ if TYPE_CHECKING:
     from ..probe.options import ProbeKwargs
 
 __all__ = ["FSLRModule", "Measurement", "Reading"]
-
-
-def _changed(delta: Tensor) -> Tensor:
-    """Whether an update is non-zero anywhere: a 0-d bool on the device. An FSDP2 shard's
-    answer is reduced over the ranks (a DTensor's ``full_tensor``), so every rank agrees."""
-    flag = (delta != 0).any()
-    return flag.full_tensor() if is_dtensor(flag) else flag  # type: ignore[attr-defined]
 
 
 class FSLRModule(nn.Module):
@@ -275,37 +267,15 @@ class FSLRModule(nn.Module):
                 "FLeRM's set points, or record through a second with_fslr(model))"
             )
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-        held = {n: lr for o in optimizers for n, lr in group_rates(self.module, o).items()}
-        if not held:
-            raise ValueError(
-                "the optimiser updates none of the module's trainable parameters: build it "
-                "from fm.parameters()"
-            )
-        current = dict(self.module.named_parameters())
-        scaled = ScaledSince(optimizers)  # FLeRM scaling this step's update inside the block
-        # A zero-size tensor moves nothing: it has no FSLR and is not probed.
-        rates = {n: lr for o in optimizers for n, lr in rates_in_force(self.module, o).items()}
-        lrs = {n: lr for n, lr in held.items() if rates[n] != 0.0 and current[n].numel() > 0}
-        if not lrs:
-            raise ValueError(
-                "every learning rate is 0 at this step (a warm-up from 0?): there is no update "
-                "to measure; measure a step with a non-zero rate (Recorder and FLeRM wait for "
-                "one by themselves)"
-            )
-        before = {n: current[n].detach().clone() for n in lrs}
-        m = Measurement(before, lrs)
+        m, scaled = Measurement.before_step(self.module, optimizers)
         self._measuring = True
         try:
             yield m
         finally:
             self._measuring = False
-        m.lrs = lrs = {**lrs, **scaled.rates(self.module, lrs)}
-        m.delta = {n: (current[n].detach() - before[n]) / lrs[n] for n in lrs}
-        # Which tensors moved is decided on the device (reading it would synchronise every
-        # step): an unchanged tensor's probe is computed but not folded in.
-        m.changed = {n: _changed(m.delta[n]) for n in lrs}
+        m.after_step(self.module, scaled)
         counts = dict(self.ema.counts)
-        self.fold(inputs, m.delta, params=before, step=step, changed=m.changed)
+        self.fold(inputs, m.delta, params=m.before, step=step, changed=m.changed)
         m.log_sq, m.ema, m.reported = self.log_sq(), self.ema, self.reported
         m.folded = {n: c - counts[n] if n in counts else c for n, c in self.ema.counts.items()}
 
