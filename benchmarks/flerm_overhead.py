@@ -37,10 +37,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import fslr_func as ff
+from fslr_func import FLeRM, FSLRRecord, Recorder
 from fslr_func.experiments import ResMLP
-from fslr_func.io.record import FSLRRecord
-from fslr_func.training.flerm import FLeRM
-from fslr_func.training.recorder import Recorder
 
 IN, CLASSES = 64, 10
 

@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 import fslr_func as ff
+from fslr_func import FLeRM, FSLRRecord, Recorder
 from fslr_func.experiments import lm_batches, lm_loss, pydoc_text, stdlib_source
 from fslr_func.experiments.cache import mean_record
 from fslr_func.experiments.configs import SweepConfig, scale_key
@@ -58,9 +59,6 @@ from fslr_func.experiments.plot import plot_transfer
 from fslr_func.experiments.run import RunSpec, finite_or_none
 from fslr_func.experiments.summary import format_table, summarise, transferred
 from fslr_func.io.atomic import write_json
-from fslr_func.io.record import FSLRRecord
-from fslr_func.training.flerm import FLeRM
-from fslr_func.training.recorder import Recorder
 
 VOCAB = 256
 SEQ = 64
