@@ -34,7 +34,7 @@ from _memory import status_mib  # benchmarks/ is on sys.path when run as a scrip
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.estimator import log_statistics
+from fslr_func.estimator import ScaledUpdate, product_log_statistics
 from fslr_func.experiments import ResMLP, Transformer
 
 
@@ -65,13 +65,14 @@ def sequential_probe(model: nn.Module, x: Tensor, delta: dict[str, Tensor], samp
     """The paper's method: a fresh forward and backward of phi for every omega sample."""
     params = [p for _, p in model.named_parameters()]
     names = [n for n, _ in model.named_parameters()]
+    updates = {n: ScaledUpdate.of(d) for n, d in delta.items()}  # once, as the probe does
     for _ in range(samples):
         out = model(x).reshape(-1)
         omega = torch.randn(out.numel())
         phi = (omega * out).sum() / math.sqrt(out.numel())
         grads = torch.autograd.grad(phi, params)
         for n, g in zip(names, grads, strict=True):
-            log_statistics(g * delta[n])
+            product_log_statistics(g, updates[n])
 
 
 def median_time(fn: Callable[[], Any], repeats: int) -> float:

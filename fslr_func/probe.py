@@ -4,7 +4,7 @@ For outputs ``F`` flattened to ``M`` elements and ``omega`` with i.i.d. zero-mea
 entries, the probe ``phi = sum(omega * F) / sqrt(M)`` has gradient ``g = J^T omega / sqrt(M)``.
 The forward runs once under :func:`torch.func.vjp` (:mod:`fslr_func.vjp`); the returned
 ``vjp_fn`` is then applied to every omega, and each sample is reduced at once to the ``D + 2``
-log statistics of ``Z = dW * g`` (:func:`fslr_func.estimator.log_statistics`), so only
+log statistics of ``Z = dW * g`` (:func:`fslr_func.estimator.product_log_statistics`), so only
 statistics leave the per-sample function. With ``strategy="vmap"`` the samples go through
 :func:`torch.func.vmap` in chunks of ``chunk_size`` (peak memory grows with the chunk, not
 with ``S``); ``"loop"`` applies ``vjp_fn`` once per sample; ``"autograd"`` uses plain
@@ -37,11 +37,12 @@ from torch.func import vmap
 from .estimator import (
     Estimator,
     ReadoutRole,
+    ScaledUpdate,
     check_estimator,
     fslr_from_log,
     log_sq_norm,
-    log_statistics,
     mean_log_stats,
+    product_log_statistics,
 )
 from .fallback import first_line, warn_once
 from .functional import Inputs
@@ -313,11 +314,11 @@ def _sample(
         (grads,) = setup.vjp_fn(w)
         return {n: _dense(grads[n]) for n in delta}
 
+    # Each update is scaled by its power of two once, outside the sampled function.
+    updates = {n: ScaledUpdate.of(d, log_shift) for n, d in delta.items()}
+
     def statistics(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {
-            n: log_statistics((grads[n] * d).reshape(setup.views[n])) + log_shift
-            for n, d in delta.items()
-        }
+        return {n: product_log_statistics(grads[n], u, setup.views[n]) for n, u in updates.items()}
 
     def draw(count: int) -> Tensor:
         for row in buffer[:count]:
