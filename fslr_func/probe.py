@@ -47,7 +47,7 @@ from .estimator import (
 from .fallback import first_line, warn_once
 from .functional import Inputs
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
-from .vjp import VjpSetup, prepare_vjp
+from .vjp import VjpSetup, prepare_vjp, remember
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -265,8 +265,9 @@ def run_probe(
         if reduction is not None:
             reduction.abort(delta, options.samples)
         raise
+    signature = setup.signature
     try:
-        return _sample(setup, delta, options, generator, reduction)
+        result = _sample(setup, delta, options, generator, reduction)
     except RuntimeError as err:
         # torch.func traced the forward but its backward fails: a forward that enters
         # autocast itself (accelerate's, Trainer(bf16=True)) casts inside the transform,
@@ -284,7 +285,11 @@ def run_probe(
         setup = prepare_vjp(
             model, inputs, delta, options.replace(strategy="autograd"), params=params, strict=strict
         )
-        return _sample(setup, delta, options, generator, reduction)
+        result = _sample(setup, delta, options, generator, reduction)
+    # The next probe with the same signature skips the structural checks and takes this path
+    # (plain autograd at once where the torch.func backward failed).
+    remember(setup, signature)
+    return result
 
 
 def _sample(

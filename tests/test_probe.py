@@ -296,5 +296,8 @@ def test_timed_times_vmap_against_a_loop_and_keeps_the_same_numbers(chunk_size, 
     reference = run("loop").log_stats
     for n in delta:
         torch.testing.assert_close(timed.log_stats[n], reference[n], rtol=1e-10, atol=1e-10)
-    # One sample cannot be timed both ways: a single-sample probe stays undecided.
-    assert probe(model, x, delta, samples=1, strategy="timed").strategy == "timed"
+    # The decision is kept for the next probe of this model and these shapes ...
+    assert probe(model, x, delta, samples=1, strategy="timed").strategy == timed.strategy
+    # ... but one sample cannot be timed both ways: a fresh model's stays undecided.
+    fresh = MLP()
+    assert probe(fresh, x, random_delta(fresh), samples=1, strategy="timed").strategy == "timed"
