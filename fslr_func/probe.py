@@ -9,8 +9,9 @@ statistics leave the per-sample function. With ``strategy="vmap"`` the samples g
 :func:`torch.func.vmap` in chunks of ``chunk_size`` (peak memory grows with the chunk, not
 with ``S``); ``"loop"`` applies ``vjp_fn`` once per sample; ``"autograd"`` uses plain
 ``torch.autograd.grad`` for models that torch.func cannot trace. ``"auto"`` (the default)
-picks vmap, or the loop for conv nets on CPU, from the model and the device
-(:func:`fslr_func.vjp.default_strategy`), so reruns take the same path and agree bit for bit;
+picks vmap, or on a CPU the loop for conv nets and large probes, from the model, the device
+and the shapes (:func:`fslr_func.vjp.default_strategy`), so reruns take the same path and
+agree bit for bit;
 ``"timed"`` times both on the first chunk and keeps the faster. Both fall back, with one
 warning, when a path fails.
 

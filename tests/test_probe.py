@@ -301,3 +301,17 @@ def test_timed_times_vmap_against_a_loop_and_keeps_the_same_numbers(chunk_size, 
     # ... but one sample cannot be timed both ways: a fresh model's stays undecided.
     fresh = MLP()
     assert probe(fresh, x, random_delta(fresh), samples=1, strategy="timed").strategy == "timed"
+
+
+def test_auto_loops_over_the_samples_of_a_large_cpu_probe_and_batches_a_small_one():
+    """The choice is the shapes' (probed elements x output rows vs LOOP_WORK), never timing."""
+    from fslr_func.vjp import LOOP_WORK
+
+    torch.manual_seed(0)
+    big = nn.Linear(512, 512)
+    rows = LOOP_WORK // sum(p.numel() for p in big.parameters()) + 1
+    delta = random_delta(big)
+    assert probe(big, torch.randn(rows, 512), delta, samples=2).strategy == "loop"
+    assert probe(big, torch.randn(rows // 2, 512), delta, samples=2).strategy == "vmap"
+    small = MLP()
+    assert probe(small, torch.randn(8, 5), random_delta(small), samples=2).strategy == "vmap"
