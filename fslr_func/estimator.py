@@ -25,6 +25,7 @@ The FSLR is the square root of the estimate.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -106,6 +107,7 @@ def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
 _LOG4 = 2.0 * math.log(2.0)
 
 
+@functools.cache
 def _exponent_range(dtype: torch.dtype) -> tuple[int, int]:
     """Exponents ``e`` for which ``2**-e`` is a normal number of ``dtype``: ``[-127, 126]``
     for float32, ``[-1023, 1022]`` for float64."""
