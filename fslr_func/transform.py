@@ -172,7 +172,7 @@ class Reading:
 def _changed(delta: Tensor) -> Tensor:
     """Whether an update is non-zero anywhere: a 0-d bool on the device. An FSDP2 shard's
     answer is reduced over the ranks (a DTensor's ``full_tensor``), so every rank agrees."""
-    flag = (delta != 0).any()
+    flag = delta.any()  # a NaN counts as a change, as with != 0; no bool temporary
     return flag.full_tensor() if is_dtensor(flag) else flag  # type: ignore[attr-defined]
 
 
@@ -426,7 +426,7 @@ class FSLRModule(nn.Module):
             yield m
         finally:
             self._measuring = False
-        m.delta = {n: (current[n].detach() - before[n]) / lrs[n] for n in lrs}
+        m.delta = {n: torch.sub(current[n].detach(), before[n]).div_(lrs[n]) for n in lrs}
         # Which tensors moved is decided on the device (reading it would synchronise every
         # step): an unchanged tensor's probe is computed but not folded in.
         m.changed = {n: _changed(m.delta[n]) for n in lrs}
