@@ -120,8 +120,10 @@ def scale_exponent(z: Tensor) -> Tensor:
 
     ``max |Z| = m 2^e`` with ``m`` in ``[1/2, 1)`` (:func:`torch.frexp`, read from the
     exponent bits, so subnormals are exact too) and ``k = -e``, clamped so that ``2^k`` is a
-    normal number of ``z``'s dtype: ``Z 2^k`` is then exact and its largest magnitude lies in
-    ``[2^{-22}, 4)`` for float32 (``[2^{-51}, 4)`` for float64) whatever ``Z``'s. An all-zero
+    normal number of ``z``'s dtype. The largest magnitude of ``Z 2^k`` then lies in
+    ``[2^{-22}, 4)`` for float32 (``[2^{-51}, 4)`` for float64) whatever ``Z``'s, and
+    ``Z 2^k`` is exact but for entries more than ``2^{125}`` below the largest, which lose
+    bits where they weigh less than ``2^{-125}`` of it in any statistic. An all-zero
     ``Z`` gets ``k = 0``; a NaN or infinite ``Z`` some ``k`` in range (its statistics are then
     NaN or infinite, which :func:`valid_log` refuses). Two reads of ``Z`` (max and min: no
     temporary of its size); no host synchronisation; works under :func:`torch.func.vmap`.
@@ -161,8 +163,9 @@ def log_statistics(z: Tensor) -> Tensor:
 
     The reductions run in the statistic dtype (pairwise summation, accurate over millions of
     elements); the per-dim sums are squared and summed in float64. Finite and correct for
-    every finite ``Z`` of float32, bfloat16 and float16, subnormals included, and of float64
-    down to its smallest normal numbers. Passes over ``Z``: max and min, the scaling, one
+    every finite ``Z`` of float32, bfloat16 and float16, subnormals included, and finite
+    for every finite float64 ``Z``.
+    Passes over ``Z``: max and min, the scaling, one
     per dim for its sums (``q_full`` is the sum of the first dim's sums), the square in place
     and its sum. Works under :func:`torch.func.vmap` (no data-dependent control flow) and
     never synchronises with the host. :func:`product_log_statistics` is the same for

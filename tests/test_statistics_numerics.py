@@ -161,3 +161,16 @@ def test_non_finite_z_gives_statistics_the_ema_refuses():
         update = ScaledUpdate.of(torch.ones(2, 2))
         log_q = product_log_statistics(z, update)
         assert bool((torch.isnan(log_q) | torch.isposinf(log_q)).any())
+
+
+@pytest.mark.parametrize("power", [-1060, -900, 900, 1010])
+def test_float64_statistics_are_finite_and_shift_exactly_at_the_ends_of_its_range(power):
+    """Float64 has no wider type to check against; its statistics of ``2^power Z`` (exact:
+    8-bit values) are those of ``Z`` shifted by ``2 power log 2``, subnormals included."""
+    z = few_bits((3, 4), 7, torch.float64)
+    scaled = z * 2.0**power
+    assert torch.equal(scaled / 2.0**power, z)
+    got = log_statistics(scaled)
+    assert bool(torch.isfinite(got).all())
+    want = log_statistics(z) + 2 * power * math.log(2.0)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
