@@ -1,7 +1,8 @@
 """Speed and memory of the probe against a plain training step and the paper's sequential method.
 
-Run: ``python benchmarks/probe.py`` (about 4 minutes on 2 CPU cores; ``--quick`` for a smoke
-run, ``--no-memory`` to skip the peak-memory subprocesses). Everything is measured side by
+Run: ``python benchmarks/probe.py`` (about 2 minutes with ``--threads 1``, 6 at the default 2
+threads on 2 shared cores; ``--quick`` for a smoke run, ``--no-memory`` to skip the
+peak-memory subprocesses). Everything is measured side by
 side in one run, on the two benchmark models (ResMLP width 512, 4 blocks, batch 256; the
 Transformer d_model 256, 2 blocks, sequence 128, batch 8), at ``S = --samples`` (8).
 
