@@ -1,24 +1,49 @@
 """Speed and memory of the probe against a plain training step and the paper's sequential method.
 
-Run: ``python benchmarks/probe.py`` (about 5 minutes on 2 CPU cores; ``--quick`` for a smoke
-run). Everything is measured side by side in one run; times are medians over ``--repeats``.
+Run: ``python benchmarks/probe.py`` (about 2 minutes with ``--threads 1``, 6 at the default 2
+threads on 2 shared cores; ``--quick`` for a smoke run, ``--no-memory`` to skip the
+peak-memory subprocesses). Everything is measured side by
+side in one run, on the two benchmark models (ResMLP width 512, 4 blocks, batch 256; the
+Transformer d_model 256, 2 blocks, sequence 128, batch 8), at ``S = --samples`` (8).
 
-* plain step: forward + backward + Adam step on the training batch;
-* probe (this library): one forward under ``torch.func.vjp``, ``vjp_fn`` over S omegas
-  (``strategy="auto"``), statistics reduced per sample;
-* sequential (the paper's method): for each of the S omegas a fresh forward and backward of
-  ``phi = sum(omega * F) / sqrt(M)`` and the same statistics.
+Cases, timed in ``--rounds`` interleaved rounds (every case once per round, in an order
+rotated from round to round, so that a shared machine's drifting load hits all alike):
 
-Peak memory is the resident-set high-water mark of a fresh subprocess that builds the model,
-resets the mark, and runs one probe with ``chunk_size=4``, with ``MALLOC_MMAP_THRESHOLD_=65536``
-so that glibc returns freed blocks (see DESIGN.md); it is reported with the resident size
-just before the probe, and against one unchunked S=32 probe.
-Targets: probe at S=8 at least 1.3x faster than sequential; peak at S=32 at most 1.25x S=4.
+* ``estimate``: the one-shot ``ff.estimate(model, x, delta, samples=S)``, default options;
+* ``sequential`` (the paper's method): for each of the S omegas a fresh forward and backward
+  of ``phi = sum(omega * F) / sqrt(M)`` and the same statistics of ``Z = delta * grad``
+  (:func:`fslr_func.stats.estimator.product_log_statistics`, the update scaled once);
+* ``measure``: the wrapper's ``with fm.measure(opt, x): opt.step()`` around a plain SGD step,
+  and ``sgd step``: the same step alone, whose time is subtracted;
+* ``forward``, ``forward+backward``: a plain forward building the graph, and a fresh forward
+  with the backward of ``phi`` (one sequential sample without its statistics).
+
+Reported per model: medians of the times; the medians over rounds of the per-round ratios
+``sequential / estimate`` and ``sequential / (measure - sgd step)``; and the ceiling of the
+probe's one saving (a forward per sample, the backward kept), from the plain forward ``F``
+and backward ``B = (forward+backward) - F`` measured in the same rounds:
+``S (F + B) / (F + S B)``, which is ``3S / (1 + 2S)`` (1.41 at S = 8) where ``B = 2F``.
+Targets: each ratio at least 1.3, and at least 90% of the ceiling.
+
+``--profile`` adds the split of one ``estimate`` call into the model's forward (under the
+vjp, with the checks), the backward passes, the statistics and the rest (bookkeeping: omega,
+options, stacking), timed by wrapping those three functions of the library in place.
+
+Peak memory (unless ``--no-memory``) is the resident-set high-water mark of a fresh
+subprocess that builds the model, resets the mark, and runs one probe with ``chunk_size=4``,
+with ``MALLOC_MMAP_THRESHOLD_=65536`` so that glibc returns freed blocks (see DESIGN.md); it
+is reported with the resident size just before the probe, and against one unchunked S=32
+probe. Target: peak at S=32 at most 1.25x S=4.
+
+The load average of the machine is printed before and after: other processes on the cores
+slow every case, and the probe's large batched operations differently from the sequential
+method's many small ones, so ratios from a loaded machine are marked as such.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -26,7 +51,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,8 +59,14 @@ from _memory import status_mib  # benchmarks/ is on sys.path when run as a scrip
 from torch import Tensor, nn
 
 import fslr_func as ff
+import fslr_func.probe.sampling as probe_module
 from fslr_func.experiments import ResMLP, Transformer
-from fslr_func.stats.estimator import log_statistics
+from fslr_func.stats.estimator import ScaledUpdate, product_log_statistics
+
+LABELS = {
+    "resmlp": "ResMLP width 512, 4 blocks, batch 256",
+    "transformer": "Transformer d_model 256, 2 blocks, seq 128, batch 8",
+}
 
 
 def build(kind: str) -> tuple[nn.Module, Tensor, Callable[[Tensor], Tensor]]:
@@ -61,48 +92,111 @@ def unit_delta(model: nn.Module) -> dict[str, Tensor]:
     return {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
 
 
+def phi_gradients(model: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
+    """A fresh forward and the backward of ``phi = omega . F / sqrt(M)`` for one omega."""
+    out = model(x).reshape(-1)
+    omega = torch.randn(out.numel())
+    phi = (omega * out).sum() / math.sqrt(out.numel())
+    return torch.autograd.grad(phi, list(model.parameters()))
+
+
 def sequential_probe(model: nn.Module, x: Tensor, delta: dict[str, Tensor], samples: int) -> None:
     """The paper's method: a fresh forward and backward of phi for every omega sample."""
-    params = [p for _, p in model.named_parameters()]
     names = [n for n, _ in model.named_parameters()]
+    updates = {n: ScaledUpdate.of(d) for n, d in delta.items()}  # once, as the probe does
     for _ in range(samples):
-        out = model(x).reshape(-1)
-        omega = torch.randn(out.numel())
-        phi = (omega * out).sum() / math.sqrt(out.numel())
-        grads = torch.autograd.grad(phi, params)
+        grads = phi_gradients(model, x)
         for n, g in zip(names, grads, strict=True):
-            log_statistics(g * delta[n])
+            product_log_statistics(g, updates[n])
 
 
-def median_time(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+def ceiling(samples: int, forward: float, backward: float) -> float:
+    """Sequential over probe when the probe saves exactly one forward per sample."""
+    return samples * (forward + backward) / (forward + samples * backward)
 
 
-def speed(kind: str, sample_counts: list[int], repeats: int) -> dict[str, float]:
+def cases(kind: str, samples: int) -> dict[str, Callable[[], object]]:
+    """The timed callables of one model (see the module docstring)."""
     model, x, loss_fn = build(kind)
     delta = unit_delta(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    fm = ff.with_fslr(model, samples=samples, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=1e-6)
+    loss_fn(fm(x)).backward()  # gradients for every SGD step below (never zeroed)
 
-    def plain_step() -> None:
-        opt.zero_grad()
-        loss_fn(model(x)).backward()
-        opt.step()
+    def measure() -> None:
+        with fm.measure(opt, x):
+            opt.step()
 
-    result = {"plain step": median_time(plain_step, repeats)}
-    for s in sample_counts:
-        result[f"probe S={s}"] = median_time(
-            lambda s=s: ff.estimate(model, x, delta, samples=s), repeats
-        )
-        result[f"sequential S={s}"] = median_time(
-            lambda s=s: sequential_probe(model, x, delta, s), repeats
-        )
-    return result
+    return {
+        "estimate": lambda: ff.estimate(model, x, delta, samples=samples),
+        "sequential": lambda: sequential_probe(model, x, delta, samples),
+        "measure": measure,
+        "sgd step": opt.step,
+        "forward": lambda: model(x),
+        "forward+backward": lambda: phi_gradients(model, x),
+    }
+
+
+def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds per case and round; each round runs every case once, the order rotated."""
+    for fn in fns.values():  # warm-up (torch.func's one-time set-up, the probe's cache)
+        fn()
+        fn()
+    names = list(fns)
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            start = time.perf_counter()
+            fns[name]()
+            times[name].append(time.perf_counter() - start)
+    return times
+
+
+@contextlib.contextmanager
+def split_timers(totals: dict[str, float]) -> Iterator[None]:
+    """Accumulate the seconds spent in the probe's forward, backward and statistics."""
+
+    def timed(key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                totals[key] += time.perf_counter() - start
+
+        return wrapper
+
+    prepare, stats = probe_module.prepare_vjp, probe_module.product_log_statistics
+
+    def prepare_timed(*args: Any, **kwargs: Any) -> Any:
+        setup = timed("forward", prepare)(*args, **kwargs)
+        setup.vjp_fn = timed("backward", setup.vjp_fn)
+        return setup
+
+    probe_module.prepare_vjp = prepare_timed  # type: ignore[assignment]
+    probe_module.product_log_statistics = timed("statistics", stats)
+    try:
+        yield
+    finally:
+        probe_module.prepare_vjp = prepare
+        probe_module.product_log_statistics = stats
+
+
+def profile_split(kind: str, samples: int, rounds: int) -> dict[str, float]:
+    """Mean seconds of one ``estimate`` call in forward, backward, statistics, bookkeeping."""
+    model, x, _ = build(kind)
+    delta = unit_delta(model)
+    ff.estimate(model, x, delta, samples=samples)
+    totals = {"forward": 0.0, "backward": 0.0, "statistics": 0.0}
+    with split_timers(totals):
+        start = time.perf_counter()
+        for _ in range(rounds):
+            ff.estimate(model, x, delta, samples=samples)
+        total = (time.perf_counter() - start) / rounds
+    split = {k: v / rounds for k, v in totals.items()}
+    split["bookkeeping"] = total - sum(split.values())
+    split["total"] = total
+    return split
 
 
 def peak_child(kind: str, samples: int, chunk_size: int | None) -> None:
@@ -138,50 +232,91 @@ def peak(kind: str, samples: int, chunk_size: int | None = 4) -> tuple[float, fl
     return float(row["baseline_mib"]), float(row["peak_mib"])
 
 
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def report_speed(kind: str, samples: int, times: dict[str, list[float]]) -> None:
+    med = {n: statistics.median(t) for n, t in times.items()}
+    rounds = len(times["estimate"])
+    print(f"\n{LABELS[kind]}, S={samples}: median seconds of {rounds} interleaved rounds")
+    for name, t in med.items():
+        print(f"  {name:<18} {t:8.4f}")
+    seq = times["sequential"]
+    one_shot = statistics.median(s / e for s, e in zip(seq, times["estimate"], strict=True))
+    wrapped = statistics.median(
+        s / (m - g) for s, m, g in zip(seq, times["measure"], times["sgd step"], strict=True)
+    )
+    forward = med["forward"]
+    backward = med["forward+backward"] - forward
+    top = ceiling(samples, forward, backward)
+    print(
+        f"  ceiling S(F+B)/(F+SB) = {top:.2f} (F {forward:.4f} s, B {backward:.4f} s, "
+        f"B/F {backward / forward:.2f}; 3S/(1+2S) = {ceiling(samples, 1.0, 2.0):.2f})"
+    )
+    for label, ratio in (("estimate", one_shot), ("measure - sgd step", wrapped)):
+        print(
+            f"  sequential / {label:<19} {ratio:5.2f}x  >= 1.3 {verdict(ratio >= 1.3)}"
+            f"   {ratio / top:4.0%} of the ceiling, >= 90% {verdict(ratio >= 0.9 * top)}"
+        )
+
+
+def report_split(kind: str, samples: int, rounds: int) -> None:
+    split = profile_split(kind, samples, rounds)
+    total = split.pop("total")
+    parts = ", ".join(f"{k} {v:.4f} s ({v / total:.0%})" for k, v in split.items())
+    print(f"  profile of one estimate ({total:.4f} s, mean of {rounds}): {parts}")
+    share = split["statistics"] / total
+    print(f"  statistics {share:.0%} of the probe, <= 10% {verdict(share <= 0.10)}")
+
+
+def report_memory(kind: str) -> None:
+    base, p4 = peak(kind, 4)
+    _, p32 = peak(kind, 32)
+    _, p32_whole = peak(kind, 32, chunk_size=None)
+    growth = p32 / p4
+    print(
+        f"  peak RSS MiB (chunk_size=4): resident before the probe {base:.0f}, probe S=4"
+        f" {p4:.0f}, S=32 {p32:.0f}; S=32/S=4 {growth:.3f} {verdict(growth <= 1.25)}"
+        " (target <= 1.25)"
+    )
+    print(
+        f"  probe memory above the resident baseline: S=4 {p4 - base:.0f} MiB,"
+        f" S=32 {p32 - base:.0f} MiB; S=32 without chunking {p32_whole - base:.0f} MiB"
+    )
+
+
+def load() -> str:
+    one, five, _ = os.getloadavg()
+    return f"load average {one:.2f} (1 min), {five:.2f} (5 min) on {os.cpu_count()} cores"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--quick", action="store_true", help="1 repeat, S in {1, 8}")
+    parser.add_argument("--rounds", type=int, default=11, help="interleaved rounds (>= 9)")
+    parser.add_argument("--samples", type=int, default=8)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads")
+    parser.add_argument("--models", default="resmlp,transformer")
+    parser.add_argument("--profile", action="store_true", help="the split of one estimate")
+    parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="2 rounds, no memory")
     parser.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         peak_child(args.child[0], int(args.child[1]), int(args.child[2]) or None)
         return
-    repeats = 1 if args.quick else args.repeats
-    sample_counts = [1, 8] if args.quick else [1, 8, 32]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, repeats={repeats}")
-    for kind in ("resmlp", "transformer"):
-        label = (
-            "ResMLP width 512, 4 blocks, batch 256"
-            if kind == "resmlp"
-            else "Transformer d_model 256, 2 blocks, seq 128, batch 8"
-        )
-        times = speed(kind, sample_counts, repeats)
-        print(f"\n{label}: median seconds")
-        plain = times["plain step"]
-        print(f"  {'plain step':<16} {plain:8.4f}")
-        for s in sample_counts:
-            p, q = times[f"probe S={s}"], times[f"sequential S={s}"]
-            print(
-                f"  S={s:<3} probe {p:8.4f} ({p / plain:5.2f}x step)   sequential {q:8.4f}"
-                f"   sequential/probe {q / p:5.2f}x"
-            )
-        ratio8 = times["sequential S=8"] / times["probe S=8"]
-        verdict = "PASS" if ratio8 >= 1.3 else "MISS"
-        print(f"  target S=8 sequential/probe >= 1.3: {ratio8:.2f} {verdict}")
-        base, p4 = peak(kind, 4)
-        _, p32 = peak(kind, 32)
-        _, p32_whole = peak(kind, 32, chunk_size=None)
-        growth = p32 / p4
-        print(
-            f"  peak RSS MiB (chunk_size=4): resident before the probe {base:.0f}, probe S=4"
-            f" {p4:.0f}, S=32 {p32:.0f}; S=32/S=4 {growth:.3f}"
-            f" {'PASS' if growth <= 1.25 else 'MISS'} (target <= 1.25)"
-        )
-        print(
-            f"  probe memory above the resident baseline: S=4 {p4 - base:.0f} MiB,"
-            f" S=32 {p32 - base:.0f} MiB; S=32 without chunking {p32_whole - base:.0f} MiB"
-        )
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rounds = 2 if args.quick else args.rounds
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, no GPU used")
+    print(f"before: {load()}")
+    for kind in args.models.split(","):
+        report_speed(kind, args.samples, interleaved(cases(kind, args.samples), rounds))
+        if args.profile:
+            report_split(kind, args.samples, rounds)
+        if not (args.quick or args.no_memory):
+            report_memory(kind)
+    print(f"\nafter: {load()}")
 
 
 if __name__ == "__main__":

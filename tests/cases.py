@@ -359,6 +359,7 @@ CASES: dict[str, Case] = {
     "mlp": Case(MLP, x_of(6, 5), unbiased=True),
     "resmlp": Case(ResMLP, x_of(6, 6)),
     "attention": Case(AttentionBlock, x_of(2, 5, 6)),
+    "convnet": Case(ConvNet, x_of(3, 2, 5, 5)),
     "conv1d": Case(Conv1dNet, x_of(3, 2, 11), unbiased=True),
     "conv2d": Case(Conv2dNet, x_of(3, 2, 7, 7), unbiased=True),
     "batchnorm-train": Case(BatchNormNet, x_of(5, 2, 5, 5), unbiased=True),

@@ -150,7 +150,7 @@ FLOAT_RANGES: dict[str, tuple[float, float]] = {
 def value_range(lo: float, hi: float) -> str:
     """``[lo, hi]`` as the messages show it (``2^k`` for powers of two).
 
-    Example:
+    Examples:
         >>> value_range(2.0**-40, 1024.0), value_range(1, 100), value_range(0.0, 10.0)
         ('[2^-40, 2^10]', '[1, 100]', '[0, 10]')
         >>> value_range(2.0**-6, 0.5)

@@ -86,7 +86,7 @@ def _temp_prefix(name: str, limit: int) -> str:
     ``.tmp``; when that could exceed ``limit`` bytes, ``name`` is cut (on a character
     boundary) and a hash of the whole name keeps prefixes of different targets apart.
 
-    Example:
+    Examples:
         >>> _temp_prefix("r.json", 255)
         '.r.json.'
         >>> p = _temp_prefix("x" * 250, 255)

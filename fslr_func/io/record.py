@@ -159,7 +159,7 @@ class FSLRRecord(Lookups):
             ValueError: on a non-increasing step, different tensor names, or a non-finite or
                 negative value. The record is left unchanged.
 
-        Example:
+        Examples:
             >>> rec = FSLRRecord()
             >>> rec.append(0, {"w": 0.5, "lora_A": None})
             >>> rec.fslr

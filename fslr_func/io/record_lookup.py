@@ -53,7 +53,7 @@ class Lookups:
         """The last training step the record speaks for: its last row, or the last step of
         the per-step schedule (``meta["sched_per_step"]``) a Recorder stores, if later.
 
-        Example:
+        Examples:
             >>> from fslr_func.io.record import FSLRRecord
             >>> FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]}).last_step
             10
@@ -69,7 +69,7 @@ class Lookups:
         the user: the step and the record's length. FLeRM calls it at every set point and
         schedule lookup; past the end the last row (and the last schedule ratio) is reused.
 
-        Example:
+        Examples:
             >>> from fslr_func.io.record import FSLRRecord
             >>> rec = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 1.0]})
             >>> rec.past_end(10) is None
@@ -137,7 +137,7 @@ class Lookups:
         """Tensor name -> the recorded steps at which its FSLR is unknown, for the rows in
         force over ``[first, last]`` (default: all rows); tensors always known are left out.
 
-        Example:
+        Examples:
             >>> from fslr_func.io.record import FSLRRecord
             >>> rec = FSLRRecord(steps=[0, 5, 10], fslr={"w": [None, 1.0, None], "b": [1.0] * 3})
             >>> rec.unknown_steps(), rec.unknown_steps(first=6, last=9)
@@ -210,7 +210,7 @@ class Lookups:
 def _nearest(values: Sequence[float | None], i: int) -> float | None:
     """The known value nearest row ``i``: the latest at or before it, else the earliest after.
 
-    Example:
+    Examples:
         >>> from fslr_func.io.record import FSLRRecord
         >>> _nearest([None, 2.0, None, 4.0], 2), _nearest([None, 2.0], 0), _nearest([None], 0)
         (2.0, 2.0, None)

@@ -24,7 +24,7 @@ are, naming the field (an unknown value is ``null``), and so is a key given twic
 (before unknown values existed) is read as is and written back as version 2; other versions are
 refused, naming theirs.
 
-Example:
+Examples:
     >>> check_fslr({"w": [0.5, None]}, [0, 10])
     {'w': [0.5, None]}
     >>> check_fslr({"w": [0.5, -1.0]}, [0, 10])  # doctest: +ELLIPSIS
@@ -103,7 +103,7 @@ def _at(field: str, i: int, steps: Sequence[int] | None) -> str:
 def check_steps(steps: object) -> list[int]:
     """``steps`` as a list of ints ``>= 0``, strictly increasing.
 
-    Example:
+    Examples:
         >>> check_steps([0, 10, 5])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -129,7 +129,7 @@ def check_number(value: object, where: str, what: str) -> float:
     """A finite number ``>= 0`` (a one-element tensor too); ``where`` and ``what`` name it in
     the error.
 
-    Example:
+    Examples:
         >>> check_number("0.5", "sched at step 3", "a schedule ratio")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -144,7 +144,7 @@ def check_number(value: object, where: str, what: str) -> float:
 def check_value(value: object, where: str, what: str) -> float | None:
     """An FSLR: :func:`check_number`, or ``None`` (unknown).
 
-    Example:
+    Examples:
         >>> check_value(None, "fslr['w'] at step 0", "an FSLR") is None
         True
     """
@@ -217,7 +217,7 @@ def check_fslr(fslr: object, steps: Sequence[int]) -> dict[str, list[float | Non
 def check_lrs(lrs: object, steps: Sequence[int], names: Sequence[str]) -> dict[str, list[float]]:
     """``lrs`` validated: tensor name (one of ``names``) -> one finite rate ``>= 0`` per step.
 
-    Example:
+    Examples:
         >>> check_lrs({"v": [0.1]}, [0], ["w"])  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -318,7 +318,7 @@ META_SCHEMA: dict[str, tuple[Callable[[object], bool], str]] = {
 def check_meta(meta: object) -> dict[str, Any]:
     """A copy of ``meta`` whose :data:`META_SCHEMA` keys are checked (``shapes`` as lists).
 
-    Example:
+    Examples:
         >>> check_meta({"base_lr": float("nan")})  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
@@ -356,7 +356,7 @@ def parse_json(raw: bytes, source: str) -> Any:
     ``NaN`` and ``Infinity`` (not JSON, but what a careless writer leaves) are read as
     floats, so that the schema refuses them naming the field and the row.
 
-    Example:
+    Examples:
         >>> parse_json(b'{"a": 1, "a": 2}', "'r.json'")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...

@@ -142,7 +142,7 @@ _FAILED = -1
 def _first_line(err: BaseException) -> str:
     """``Type: first line of the message`` (at most 300 characters), for other ranks.
 
-    Example:
+    Examples:
         >>> _first_line(ValueError("the probe batch is empty\\nmore"))
         'ValueError: the probe batch is empty'
     """

@@ -155,14 +155,32 @@ def check_delta(
     *,
     what: str = "delta",
     finite: bool = True,
+    structure: bool = True,
 ) -> None:
     """Check names, shapes and (with ``finite``) finiteness of an update dict.
+
+    ``structure=False`` skips everything but the finiteness check: for an update whose names,
+    types and shapes passed against the same parameters before.
 
     Raises:
         ValueError: a model without trainable parameters; empty ``delta``; unknown or
             misspelled names (with close matches); names of frozen parameters; shape
             mismatches; zero-size tensors; NaN or Inf entries.
     """
+    if structure:
+        _check_delta_structure(delta, tensors, what)
+    if not finite:
+        return
+    non_finite = [n for n, d in delta.items() if not all_finite(d)]
+    if non_finite:
+        raise ValueError(
+            f"{what} has NaN or Inf entries in {non_finite}: the update is not finite, so its "
+            f"function-space learning rate is undefined (check the loss and learning rates)"
+        )
+
+
+def _check_delta_structure(delta: Mapping[str, Tensor], tensors: ModuleTensors, what: str) -> None:
+    """The checks of :func:`check_delta` that depend on names, types and shapes only."""
     if not isinstance(delta, Mapping):
         raise TypeError(
             f"{what} must be a dict from parameter names to tensors, got {type(delta).__name__}"
@@ -210,14 +228,6 @@ def check_delta(
         raise ValueError(
             f"{what} holds zero-size tensors {empty}: an empty tensor has no function-space "
             f"learning rate; leave it out (or freeze it with requires_grad_(False))"
-        )
-    if not finite:
-        return
-    non_finite = [n for n, d in delta.items() if not all_finite(d)]
-    if non_finite:
-        raise ValueError(
-            f"{what} has NaN or Inf entries in {non_finite}: the update is not finite, so its "
-            f"function-space learning rate is undefined (check the loss and learning rates)"
         )
 
 
@@ -332,24 +342,29 @@ def evaluation_point(
     params: Mapping[str, Tensor] | None,
     *,
     finite: bool = True,
+    checked: bool = False,
 ) -> tuple[ModuleTensors, dict[str, Tensor]]:
     """The module's tensors and the point to differentiate at, names checked.
 
     The point is every trainable parameter, with ``params`` (e.g. the weights before an
     optimiser step) substituted where given. ``finite=False`` skips the check for NaN and
     Inf in ``delta`` and ``params``, which reads them on the host (a synchronisation).
+    ``checked=True`` skips the checks of names, shapes and the kind of module, for a model,
+    ``delta`` and ``params`` that passed them before with the same parameters and shapes
+    (the probe's per-model cache, :mod:`fslr_func.probe.vjp`).
 
     Raises:
         ValueError: a name in ``delta`` or ``params`` that is not a trainable parameter, or a
             shape that differs from the parameter's; a DDP or FSDP2 module
             (:func:`check_single_process`).
     """
-    check_single_process(model)
+    if not checked:
+        check_single_process(model)
     tensors = ModuleTensors.of(model)
-    check_delta(delta, tensors, finite=finite)
+    check_delta(delta, tensors, finite=finite, structure=not checked)
     point = dict(tensors.trainable)
     if params is not None:
-        check_delta(params, tensors, what="params", finite=finite)
+        check_delta(params, tensors, what="params", finite=finite, structure=not checked)
         point.update({n: p.detach() for n, p in params.items()})
     return tensors, point
 

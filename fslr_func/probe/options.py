@@ -70,11 +70,12 @@ class ProbeOptions:
             readout variants).
         chunk_size: samples per vmap call (peak memory grows with it); ``None``: chosen by
             bytes, as many as keep one chunk's omegas and gradients within
-            :data:`fslr_func.probe.sampling.CHUNK_BYTES` (all ``S`` on small models, one per chunk
-            for a language model's output).
-        strategy: ``"auto"`` (vmap, or a loop for conv nets on CPU: decided from the model
-            and device, so reruns agree bit for bit; falls back, with one warning, where a
-            path fails), ``"vmap"``, ``"loop"``, ``"autograd"`` (plain
+            :data:`fslr_func.probe.CHUNK_BYTES` (all ``S`` on small models, one per chunk for a
+            language model's output).
+        strategy: ``"auto"`` (vmap, or on a CPU a loop for conv nets and for large probes:
+            decided from the model, the device and the shapes,
+            :func:`fslr_func.probe.vjp.default_strategy`, so reruns agree bit for bit; falls back,
+            with one warning, where a path fails), ``"vmap"``, ``"loop"``, ``"autograd"`` (plain
             ``torch.autograd.grad``, for models torch.func cannot trace) or ``"timed"`` (time
             vmap against the loop on the first chunk and keep the faster: may differ from run
             to run in path and rounding; falls back as ``"auto"`` does).

@@ -4,13 +4,14 @@ For outputs ``F`` flattened to ``M`` elements and ``omega`` with i.i.d. zero-mea
 entries, the probe ``phi = sum(omega * F) / sqrt(M)`` has gradient ``g = J^T omega / sqrt(M)``.
 The forward runs once under :func:`torch.func.vjp` (:mod:`fslr_func.probe.vjp`); the returned
 ``vjp_fn`` is then applied to every omega, and each sample is reduced at once to the ``D + 2``
-log statistics of ``Z = dW * g`` (:func:`fslr_func.stats.estimator.log_statistics`), so only
+log statistics of ``Z = dW * g`` (:func:`fslr_func.stats.estimator.product_log_statistics`), so only
 statistics leave the per-sample function. With ``strategy="vmap"`` the samples go through
 :func:`torch.func.vmap` in chunks of ``chunk_size`` (peak memory grows with the chunk, not
 with ``S``); ``"loop"`` applies ``vjp_fn`` once per sample; ``"autograd"`` uses plain
 ``torch.autograd.grad`` for models that torch.func cannot trace. ``"auto"`` (the default)
-picks vmap, or the loop for conv nets on CPU, from the model and the device
-(:func:`fslr_func.probe.vjp.default_strategy`), so reruns take the same path and agree bit for bit;
+picks vmap, or on a CPU the loop for conv nets and large probes, from the model, the device
+and the shapes (:func:`fslr_func.probe.vjp.default_strategy`), so reruns take the same path and
+agree bit for bit;
 ``"timed"`` times both on the first chunk and keeps the faster. Both fall back, with one
 warning, when a path fails.
 
@@ -37,16 +38,17 @@ from torch.func import vmap
 from ..stats.estimator import (
     Estimator,
     ReadoutRole,
+    ScaledUpdate,
     check_estimator,
     fslr_from_log,
     log_sq_norm,
-    log_statistics,
     mean_log_stats,
+    product_log_statistics,
 )
 from .fallback import first_line, warn_once
 from .functional import Inputs
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
-from .vjp import VjpSetup, prepare_vjp
+from .vjp import VjpSetup, prepare_vjp, remember
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -266,8 +268,9 @@ def run_probe(
         if reduction is not None:
             reduction.abort(delta, options.samples)
         raise
+    signature = setup.signature
     try:
-        return _sample(setup, delta, options, generator, reduction)
+        result = _sample(setup, delta, options, generator, reduction)
     except RuntimeError as err:
         # torch.func traced the forward but its backward fails: a forward that enters
         # autocast itself (accelerate's, Trainer(bf16=True)) casts inside the transform,
@@ -285,7 +288,11 @@ def run_probe(
         setup = prepare_vjp(
             model, inputs, delta, options.replace(strategy="autograd"), params=params, strict=strict
         )
-        return _sample(setup, delta, options, generator, reduction)
+        result = _sample(setup, delta, options, generator, reduction)
+    # The next probe with the same signature skips the structural checks and takes this path
+    # (plain autograd at once where the torch.func backward failed).
+    remember(setup, signature)
+    return result
 
 
 def _sample(
@@ -315,11 +322,11 @@ def _sample(
         (grads,) = setup.vjp_fn(w)
         return {n: _dense(grads[n]) for n in delta}
 
+    # Each update is scaled by its power of two once, outside the sampled function.
+    updates = {n: ScaledUpdate.of(d, log_shift) for n, d in delta.items()}
+
     def statistics(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {
-            n: log_statistics((grads[n] * d).reshape(setup.views[n])) + log_shift
-            for n, d in delta.items()
-        }
+        return {n: product_log_statistics(grads[n], u, setup.views[n]) for n, u in updates.items()}
 
     def draw(count: int) -> Tensor:
         for row in buffer[:count]:

@@ -8,6 +8,12 @@ loop (``strategy="auto"`` picks one from the model and device, the same on every
 ``"timed"`` times the two on the first call and keeps the faster). The probe
 (:mod:`fslr_func.probe.sampling`) is built on the two.
 
+What the forward's structure decides (the readout layer, that no probed tensor is cut out of
+the graph, names and shapes, the path the samples take) is kept per model, weakly, under a
+key of everything it depends on (:func:`probe_signature`), so a one-shot estimate called
+again with the same model and shapes does not find it again (:func:`remember`,
+:func:`forget`).
+
 Examples:
     >>> import torch
     >>> from fslr_func.probe.options import ProbeOptions
@@ -25,12 +31,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
+from torch.utils._pytree import tree_flatten
 
 from ..stats.estimator import ReadoutRole, grouped_shape
 from .connectivity import CutFinder, check_connected
@@ -49,7 +57,19 @@ from .functional import (
 )
 from .options import ProbeOptions, Strategy
 
-__all__ = ["TIMED_VMAP_ROWS", "SampleFn", "VjpFn", "VjpSetup", "prepare_vjp"]
+__all__ = [
+    "KNOWN_PER_MODEL",
+    "LOOP_WORK",
+    "TIMED_VMAP_ROWS",
+    "KnownForward",
+    "SampleFn",
+    "VjpFn",
+    "VjpSetup",
+    "forget",
+    "prepare_vjp",
+    "probe_signature",
+    "remember",
+]
 
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
 """The vjp of the probe's forward: a cotangent of the output to gradients by tensor name."""
@@ -59,23 +79,47 @@ TIMED_VMAP_ROWS = 3
 """Samples vmapped while ``strategy="timed"`` times vmap against the loop on a first chunk."""
 
 
-def default_strategy(model: nn.Module, device: torch.device) -> Strategy:
-    """What ``strategy="auto"`` runs: a function of the model and the device, never of timing.
+LOOP_WORK = 2**26
+"""On a CPU, probes with more work than this (probed parameter elements times output rows,
+:func:`default_strategy`) loop over the samples instead of batching them with vmap."""
 
-    ``"vmap"`` batches the samples' backward passes into one (on CPU it removes the
-    per-sample dispatch that dominates small models; on a GPU it fills the device), except for
-    convolutional networks on CPU, whose batched convolution backward is slower there than a
-    loop (``docs/concepts.md``), which get ``"loop"``. Two runs of the same set-up therefore
-    take the same path and agree bit for bit.
+
+def default_strategy(model: nn.Module, device: torch.device, work: int = 0) -> Strategy:
+    """What ``strategy="auto"`` runs: a function of the model, the device and the shapes,
+    never of timing.
+
+    ``"vmap"`` batches the samples' backward passes into one: on a GPU it fills the device,
+    and on a CPU it removes the per-sample dispatch that dominates small probes. On a CPU,
+    convolutional networks, whose batched convolution backward is slower there than a loop,
+    and probes of more than :data:`LOOP_WORK` of ``work`` get ``"loop"``: their backward is
+    matrix products large enough that a loop pays no dispatch to speak of, while vmap's
+    batched elementwise steps (layer norms, activations, softmax) over ``S`` times larger
+    tensors cost more than ``S`` separate ones (measured on the benchmark models,
+    ``docs/benchmarks.md``: the loop was 13% faster on the ResMLP of width 512 at batch 256,
+    work ``2.8e8``, and 20% on the Transformer of d_model 256, ``1.8e9``; vmap 1.5 to 2.4x
+    faster below ``2e7``). Two runs of the same set-up take the same path and agree bit for
+    bit.
+
+    Args:
+        model: the module probed.
+        device: the device of its output.
+        work: the probed parameters' elements times the rows of the output (its elements
+            over its last dim): the size of the weight-gradient products of one sample.
 
     Examples:
         >>> default_strategy(torch.nn.Linear(2, 2), torch.device("cpu"))
         'vmap'
         >>> default_strategy(torch.nn.Conv1d(1, 1, 3), torch.device("cpu"))
         'loop'
+        >>> default_strategy(torch.nn.Linear(512, 512), torch.device("cpu"), 512 * 512 * 1024)
+        'loop'
+        >>> default_strategy(torch.nn.Linear(512, 512), torch.device("cuda"), 512 * 512 * 1024)
+        'vmap'
     """
+    if device.type != "cpu":
+        return "vmap"
     convolutional = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
-    return "loop" if convolutional and device.type == "cpu" else "vmap"
+    return "loop" if convolutional or work > LOOP_WORK else "vmap"
 
 
 def _func_vjp(
@@ -128,6 +172,7 @@ class VjpSetup:
         strategy: the path the samples take: ``"vmap"``, ``"loop"``, ``"autograd"`` (the
             forward fell back to plain autograd) or ``"timed"`` (undecided until the first call).
         requested: the strategy asked for (``"auto"`` and ``"timed"`` allow fallbacks).
+        signature: the :func:`probe_signature` of the probe (``None``: not cached).
     """
 
     model: nn.Module
@@ -140,6 +185,7 @@ class VjpSetup:
     views: dict[str, tuple[int, ...]]
     strategy: Strategy
     requested: str
+    signature: Hashable | None = None
 
     def map_samples(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
         """``fn`` applied to every row of ``omegas``, results stacked along a new dim 0.
@@ -193,6 +239,139 @@ class VjpSetup:
         return result
 
 
+@dataclass(frozen=True)
+class KnownForward:
+    """What an earlier probe found about a model for one :func:`probe_signature`.
+
+    Attributes:
+        readout_module: the readout module's name, or ``None``.
+        readout: readout tensor names -> ``"weight"`` or ``"bias"``.
+        views: tensor name -> the shape ``Z`` is viewed as.
+        strategy: the path the samples took (``"vmap"``, ``"loop"`` or ``"autograd"``).
+    """
+
+    readout_module: str | None
+    readout: dict[str, ReadoutRole]
+    views: dict[str, tuple[int, ...]]
+    strategy: Strategy
+
+
+KNOWN_PER_MODEL = 8
+"""Signatures remembered per model; the oldest is forgotten first (varying sequence lengths)."""
+
+_known: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, KnownForward]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _tensors_key(tensors: Mapping[str, Tensor]) -> tuple[Hashable, ...]:
+    return tuple((n, t.shape, t.dtype, t.device, t.layout) for n, t in tensors.items())
+
+
+def _leaf_key(leaf: object) -> Hashable:
+    if isinstance(leaf, Tensor):
+        return ("tensor", leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
+    hash(leaf)  # an unhashable argument: TypeError, and no signature
+    return (type(leaf), leaf)
+
+
+_FLAGS = (bool, int, float, str, type(None))
+
+
+def _module_key(name: str, module: nn.Module) -> Hashable:
+    own_forward = module.__dict__.get("forward")  # a forward patched onto the instance
+    return (
+        name,
+        type(module),
+        id(module),
+        module.training,
+        tuple(module._forward_hooks),
+        tuple(module._forward_pre_hooks),
+        None if own_forward is None else id(own_forward),
+        # Plain attributes a forward may branch on (use_reentrant, gradient_checkpointing).
+        tuple((k, v) for k, v in module.__dict__.items() if isinstance(v, _FLAGS)),
+    )
+
+
+def probe_signature(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    params: Mapping[str, Tensor] | None,
+    options: ProbeOptions,
+) -> Hashable | None:
+    """What a probe's structural checks depend on, as a hashable key; ``None``: do not cache.
+
+    The key holds every parameter's name, identity, shape, dtype, device and
+    ``requires_grad``; every submodule's name, type, identity, training mode, forward hooks,
+    instance-patched ``forward`` and plain attributes (bools, numbers, strings: the flags a
+    forward branches on); the buffers' names, shapes and dtypes; the names,
+    shapes and dtypes of ``delta`` and ``params``; the inputs' structure, and the shape,
+    dtype and device of each input tensor (other arguments by value); the readout,
+    ``output_fn``, grouping and strategy options; and the autocast state. A probe with the
+    same key runs the same forward code on tensors of the same shapes, so the readout
+    layer, the connectivity of the graph, the names and shapes, and the path the samples
+    take need not be found again (:func:`prepare_vjp`). What the key cannot see is a
+    forward whose graph depends on the *values* of its inputs or on state outside the model:
+    :func:`forget` drops what is known about a model.
+
+    Returns ``None`` (never cache) where an argument is not hashable or ``delta`` or
+    ``params`` are not mappings of tensors (the checks then run and say what is wrong).
+    """
+    try:
+        leaves, spec = tree_flatten(inputs)
+        key = (
+            spec,
+            tuple(_leaf_key(leaf) for leaf in leaves),
+            tuple(
+                (n, id(p), p.shape, p.dtype, p.device, p.requires_grad)
+                for n, p in model.named_parameters()
+            ),
+            tuple(_module_key(n, m) for n, m in model.named_modules()),
+            tuple((n, b.shape, b.dtype, b.device) for n, b in model.named_buffers()),
+            _tensors_key(delta),
+            None if params is None else _tensors_key(params),
+            options.readout,
+            options.output_fn,
+            options.grouping,
+            options.strategy,
+            tuple(
+                (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+                for device in ("cpu", "cuda")
+            ),
+        )
+        hash(key)
+    except (TypeError, AttributeError):
+        return None
+    return key
+
+
+def remember(setup: VjpSetup, signature: Hashable | None) -> None:
+    """Keep what ``setup`` found (readout, views, the path its samples took) for later
+    probes of its model with the same ``signature`` (nothing if ``None``)."""
+    if signature is None or setup.strategy not in ("vmap", "loop", "autograd"):
+        return
+    entries = _known.setdefault(setup.model, {})
+    entries.pop(signature, None)
+    entries[signature] = KnownForward(
+        setup.readout_module, setup.readout, setup.views, setup.strategy
+    )
+    while len(entries) > KNOWN_PER_MODEL:
+        del entries[next(iter(entries))]
+
+
+def forget(model: nn.Module | None = None) -> None:
+    """Drop what earlier probes found about ``model`` (every model: ``None``).
+
+    Needed only for a forward whose graph or output layer changes with something the
+    signature (:func:`probe_signature`) does not hold, such as a global flag it reads.
+    """
+    if model is None:
+        _known.clear()
+    else:
+        _known.pop(model, None)
+
+
 def prepare_vjp(
     model: nn.Module,
     inputs: Inputs,
@@ -213,18 +392,29 @@ def prepare_vjp(
     (:mod:`fslr_func.probe.connectivity`). Arguments are those of
     :func:`fslr_func.probe.sampling.run_probe`.
 
+    When an earlier probe of the same model with the same :func:`probe_signature` succeeded
+    (:func:`remember`), what it found is reused: names, shapes and connectivity are not
+    checked again, the readout is not searched for, and ``"auto"`` and ``"timed"`` take the
+    path that ran then (plain autograd at once where torch.func failed). The checks of the
+    values (NaN or Inf in ``delta``, the inputs and the output, with ``strict``) run on
+    every call.
+
     Raises:
         ValueError: bad names or shapes (:func:`~fslr_func.probe.functional.evaluation_point`); a
             zero-size input or output; probed tensors cut out of the graph; with ``strict``,
             NaN or Inf in ``delta``, the inputs or the output.
     """
-    tensors, point = evaluation_point(model, delta, params, finite=strict)
+    signature = probe_signature(model, inputs, delta, params, options)
+    known = None if signature is None else _known.get(model, {}).get(signature)
+    tensors, point = evaluation_point(
+        model, delta, params, finite=strict, checked=known is not None
+    )
     check_inputs(inputs, finite=strict)
     primals = {n: point[n] for n in delta}
     fixed = {n: t for n, t in point.items() if n not in delta}
     readout, strategy = options.readout, options.strategy
 
-    finder = ReadoutFinder(model) if readout == "auto" else None
+    finder = ReadoutFinder(model) if readout == "auto" and known is None else None
     found: list[str | None] = []
     out_shape: list[torch.Size] = []
     last_state: list[dict[str, Tensor]] = []
@@ -232,6 +422,11 @@ def prepare_vjp(
     def flat_output(p: dict[str, Tensor]) -> Tensor:
         state = {**fixed, **tensors.constants(), **p}
         last_state[:] = [state]
+        if known is not None:  # the same forward passed the checks below before
+            raw = model_forward(
+                model, state, inputs, options.output_fn, forward_seed=options.forward_seed
+            )
+            return as_output_tensor(raw, options.output_fn).reshape(-1)
         cuts = CutFinder(p)
         with finder if finder is not None else contextlib.nullcontext(), cuts:
             raw = model_forward(
@@ -244,9 +439,9 @@ def prepare_vjp(
         out_shape.append(out.shape)
         return out.reshape(-1)
 
-    use: Strategy = strategy
+    use: Strategy = strategy if known is None else known.strategy
     try:
-        if strategy == "autograd":
+        if use == "autograd":
             raise NotImplementedError("autograd requested")
         out, vjp_fn = _func_vjp(flat_output, primals)
     except (RuntimeError, NotImplementedError) as err:
@@ -255,7 +450,7 @@ def prepare_vjp(
         found.clear()
         out_shape.clear()
         out, vjp_fn = _autograd_vjp(flat_output, primals, lambda: substituted(model, last_state[0]))
-        if strategy != "autograd":
+        if use != "autograd":
             warn_once(
                 model,
                 "autograd",
@@ -266,15 +461,19 @@ def prepare_vjp(
         use = "autograd"
 
     check_output(out, finite=strict)
-    module_name = found[0] if found else (readout if readout != "auto" else None)
-    last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
-    roles = readout_roles(model, module_name, primals, last_dim)
-    views = {
-        n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
-        for n, d in delta.items()
-    }
+    if known is not None:
+        module_name, roles, views = known.readout_module, known.readout, known.views
+    else:
+        module_name = found[0] if found else (readout if readout != "auto" else None)
+        last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
+        roles = readout_roles(model, module_name, primals, last_dim)
+        views = {
+            n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
+            for n, d in delta.items()
+        }
     if use == "auto":
-        use = default_strategy(model, out.device)
+        rows = out.numel() // max(1, out_shape[-1][-1] if len(out_shape[-1]) else 1)
+        use = default_strategy(model, out.device, rows * sum(d.numel() for d in delta.values()))
     return VjpSetup(
         model,
         out.numel(),
@@ -286,4 +485,5 @@ def prepare_vjp(
         views,
         use,
         strategy,
+        signature,
     )

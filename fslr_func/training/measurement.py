@@ -101,7 +101,8 @@ class Measurement:
         synchronise every step; an unchanged tensor's probe is computed but not folded in)."""
         current = dict(module.named_parameters())
         self.lrs = lrs = {**self.lrs, **scaled.rates(module, self.lrs)}
-        self.delta = {n: (current[n].detach() - self.before[n]) / lrs[n] for n in lrs}
+        # one allocation per tensor: the difference, divided in place
+        self.delta = {n: torch.sub(current[n].detach(), self.before[n]).div_(lrs[n]) for n in lrs}
         self.changed = {n: _changed(self.delta[n]) for n in lrs}
 
     def read(self) -> Reading:
@@ -137,7 +138,7 @@ class Measurement:
 def _changed(delta: Tensor) -> Tensor:
     """Whether an update is non-zero anywhere: a 0-d bool on the device. An FSDP2 shard's
     answer is reduced over the ranks (a DTensor's ``full_tensor``), so every rank agrees."""
-    flag = (delta != 0).any()
+    flag = delta.any()  # no bool temporary; a NaN counts as a change
     return flag.full_tensor() if is_dtensor(flag) else flag  # type: ignore[attr-defined]
 
 

@@ -5,6 +5,7 @@
   by forward-mode AD (or a double vjp where forward-mode AD has no formula), independently of
   the library: an identity, so the tolerance is float64 round-off; both sampling strategies.
 * ``full`` is unbiased for ``exact^2``: its mean over many samples within 4 standard errors.
+* Every strategy and chunk size gives the same statistics for the same omegas.
 * ``estimate`` and ``with_fslr`` run on every case and leave the model and ``delta`` untouched.
 * The fallbacks are needed exactly where ``docs/modules.md`` says.
 """
@@ -60,6 +61,41 @@ def test_sum_of_z_is_omega_dot_j_dw_over_sqrt_m(name: str, strategy: str) -> Non
         got = result.log_stats[n][:, -1].exp()
         torch.testing.assert_close(got, expected, rtol=1e-8, atol=1e-30, msg=n)
         torch.testing.assert_close(exact[n], t.square().mean().sqrt(), rtol=1e-8, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.vmap))
+def test_strategies_and_chunk_sizes_agree_for_the_same_omega(name: str) -> None:
+    case = CASES[name]
+    model, inputs, delta = build(case)
+
+    def run(**kw: object) -> dict[str, torch.Tensor]:
+        return quiet(
+            probe,
+            model,
+            inputs,
+            delta,
+            samples=5,
+            output_fn=case.output_fn,
+            forward_seed=case.forward_seed,
+            generator=torch.Generator().manual_seed(7),
+            **kw,
+        ).log_stats
+
+    ref = run(strategy="loop")
+    # compared as statistics, not logs: a tensor whose exact FSLR is 0 (a bias before
+    # BatchNorm) holds round-off, which differs between paths far below the others' scale
+    floor = 1e-12 * max(float(v.exp().max()) for v in ref.values())
+    for kw in (
+        {"strategy": "vmap"},
+        {"strategy": "vmap", "chunk_size": 2},
+        {"strategy": "vmap", "chunk_size": 1},
+        {"strategy": "autograd"},
+    ):
+        got = run(**kw)
+        for n in delta:
+            torch.testing.assert_close(
+                got[n].exp(), ref[n].exp(), rtol=1e-10, atol=floor, msg=f"{kw} {n}"
+            )
 
 
 @pytest.mark.parametrize("name", sorted(n for n, c in CASES.items() if c.unbiased))
