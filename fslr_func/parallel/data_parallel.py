@@ -55,28 +55,24 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
+from ..probe import sampling
 from ..probe.functional import Inputs
 from ..probe.names import unwrapped
-from ..probe.options import ProbeOptions
-from ..probe.sampling import OmegaSlice, ProbeResult, run_probe
+from ..probe.sampling import OmegaSlice, ProbeResult
 from ..stats.estimator import Estimator, check_estimator
 from .fsdp import gathered
 from .process_group import ProcessGroup, collective_device, rank_and_size
-
-if TYPE_CHECKING:
-    from typing_extensions import Unpack
-
-    from ..probe.options import ProbeKwargs
 
 __all__ = [
     "OMEGA_DRAWS",
@@ -270,6 +266,15 @@ class DataParallelReduction:
         """One all-reduce (sum) per dtype of the chunk's per-sample gradients."""
         return all_reduce_gradients(grads, self.group)
 
+    def gathered(
+        self, model: nn.Module, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
+    ) -> contextlib.AbstractContextManager[
+        tuple[Mapping[str, Tensor], Mapping[str, Tensor] | None]
+    ]:
+        """An FSDP2 module's parameters, ``delta`` and ``params`` all-gathered for the probe's
+        duration (:func:`fslr_func.parallel.fsdp.gathered`); anything else as given."""
+        return gathered(model, delta, params)
+
     def abort(self, delta: Mapping[str, Tensor], samples: int) -> None:
         """Join the other ranks' layout gather as a rank that cannot probe, with the error
         being handled (``sys.exc_info``): every rank, this one included, raises the same
@@ -287,58 +292,42 @@ def probe(
     *,
     group: ProcessGroup = None,
     omega_draw: OmegaDraw = "global",
-    generator: torch.Generator | None = None,
-    params: Mapping[str, Tensor] | None = None,
-    **options: Unpack[ProbeKwargs],
+    **kwargs: Any,
 ) -> ProbeResult:
-    r"""Data-parallel :func:`fslr_func.probe.sampling.probe`: the statistics of the global batch.
+    r"""Data-parallel :func:`fslr_func.probe.probe`: the statistics of the global batch.
 
-    Must be called on every rank of ``group`` with the same ``delta`` (names and shapes),
-    ``samples`` and ``chunk_size``; ``inputs`` is the rank's shard (shards may differ in size).
-    Rank ``r`` applies its vjp to :math:`\omega_r / \sqrt{M}`, ``M`` the global number of
-    output elements; the per-sample gradients are summed over ranks (all-reduce) before
-    ``Z = dW * g`` is reduced to statistics, which are therefore identical on every rank.
+    The core probe with ``reduction=DataParallelReduction(group, omega_draw)``. Must be called
+    on every rank of ``group`` with the same ``delta`` (names and shapes), ``samples`` and
+    ``chunk_size``; ``inputs`` is the rank's shard (shards may differ in size, batch-first, so
+    that the ranks' flattened outputs in rank order are the global batch's). Rank ``r``
+    applies its vjp to :math:`\omega_r / \sqrt{M}`, ``M`` the global number of output
+    elements; the per-sample gradients are summed over ranks before ``Z = dW * g`` is reduced
+    to statistics, which are therefore identical on every rank.
 
     Args:
         model: any module, a ``DistributedDataParallel``/``DataParallel`` wrapper (unwrapped),
-            or an FSDP2 (``fully_shard``) module, whose parameters are all-gathered for the
-            probe (:func:`fslr_func.parallel.fsdp.gathered`).
-        inputs: this rank's shard of the probe batch (batch-first, so that concatenating the
-            ranks' flattened outputs in rank order gives the global batch's flattened output).
-        delta: parameter name -> unit-learning-rate update (the same on every rank under DDP;
-            under FSDP2 each rank's DTensor shards of it).
+            or an FSDP2 (``fully_shard``) module, whose parameters, ``delta`` and ``params``
+            (DTensor shards) are all-gathered for the probe.
+        inputs: this rank's shard of the probe batch.
+        delta: parameter name -> unit-learning-rate update.
         group: the process group; ``None``: the default group.
         omega_draw: ``"global"`` (each rank draws the full vector and keeps its slice: equal to
             the single-process probe of the concatenated batch) or ``"local"`` (each rank draws
             its own from a per-rank generator: cheaper, same distribution).
-        generator: draws omega; seed it identically on every rank for ``omega_draw="global"``.
-        params: values to evaluate the gradient at (DTensor shards under FSDP2); defaults to
-            the module's parameters.
-        **options: the probe's options (:class:`~fslr_func.probe.options.ProbeOptions`); here
-            ``chunk_size`` is also the number of samples per all-reduce, and peak memory holds
-            ``chunk_size`` gradients (and their all-reduce buffer).
+        **kwargs: those of :func:`fslr_func.probe.probe` (``generator``: seed it identically on
+            every rank for ``omega_draw="global"``; ``params``; the probe's options, where
+            ``chunk_size`` is also the number of samples per all-reduce).
 
     Returns:
-        A :class:`fslr_func.probe.sampling.ProbeResult`; ``num_outputs`` is the global ``M``.
+        A :class:`fslr_func.probe.ProbeResult`; ``num_outputs`` is the global ``M``.
 
     Raises:
         RuntimeError: ``torch.distributed`` is not initialised.
         ValueError: invalid options, or ranks that disagree on ``delta`` or ``samples``.
     """
-    opts = ProbeOptions(**options)
-    reduction = DataParallelReduction(group, omega_draw)
     rank_and_size(group)
-    inner = unwrap(model)
-    with gathered(inner, delta, params) as (full_delta, rest):
-        return run_probe(
-            inner,
-            inputs,
-            full_delta,
-            opts,
-            generator=generator,
-            params=rest,
-            reduction=reduction,
-        )
+    reduction = DataParallelReduction(group, omega_draw)
+    return sampling.probe(unwrap(model), inputs, delta, reduction=reduction, **kwargs)
 
 
 def estimate(
@@ -347,30 +336,16 @@ def estimate(
     delta: Mapping[str, Tensor],
     *,
     estimator: Estimator = "kron",
-    group: ProcessGroup = None,
-    omega_draw: OmegaDraw = "global",
-    generator: torch.Generator | None = None,
-    params: Mapping[str, Tensor] | None = None,
-    **options: Unpack[ProbeKwargs],
+    **kwargs: Any,
 ) -> dict[str, Tensor]:
     """Data-parallel :func:`fslr_func.estimate`: FSLRs of the global batch, on every rank.
 
     Call it on every rank with the rank's shard of the probe batch; see :func:`probe` for the
-    arguments. With ``omega_draw="global"`` and the same ``generator`` seed on every rank the
-    result equals ``fslr_func.estimate`` on the concatenated batch (float rounding aside).
+    other arguments. With ``omega_draw="global"`` and the same ``generator`` seed on every rank
+    the result equals ``fslr_func.estimate`` on the concatenated batch (float rounding aside).
 
     Returns:
         Tensor name -> float64 scalar FSLR, identical on every rank.
     """
     check_estimator(estimator)
-    result = probe(
-        model,
-        inputs,
-        delta,
-        group=group,
-        omega_draw=omega_draw,
-        generator=generator,
-        params=params,
-        **options,
-    )
-    return result.fslr(estimator)
+    return probe(model, inputs, delta, **kwargs).fslr(estimator)

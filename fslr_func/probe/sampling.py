@@ -26,6 +26,7 @@ not depend on the strategy or the chunk size.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -193,7 +194,8 @@ class OmegaSlice:
 class GradientReduction(Protocol):
     """The hook that makes one probe span several processes (:mod:`fslr_func.distributed`).
 
-    The probe calls :meth:`omega_slice` once, after its forward, and :meth:`reduce` on every
+    The probe runs inside :meth:`gathered` (the full tensors of sharded parameters), calls
+    :meth:`omega_slice` once, after its forward, and :meth:`reduce` on every
     chunk of per-sample gradients before their statistics are taken, so the statistics are
     those of the global batch on every process. A process whose forward or input checks raise
     calls :meth:`abort` instead of :meth:`omega_slice` before re-raising (the data-parallel
@@ -217,6 +219,15 @@ class GradientReduction(Protocol):
     def abort(self, delta: Mapping[str, Tensor], samples: int) -> None:
         """Called instead of :meth:`omega_slice` when this process cannot probe (its forward or
         its checks raised): lets the other processes raise too rather than wait for it."""
+        ...
+
+    def gathered(
+        self, model: nn.Module, delta: Mapping[str, Tensor], params: Mapping[str, Tensor] | None
+    ) -> contextlib.AbstractContextManager[
+        tuple[Mapping[str, Tensor], Mapping[str, Tensor] | None]
+    ]:
+        """The full ``(delta, params)`` of the probe, for its duration: sharded parameters
+        (FSDP2) all-gathered, anything else as given."""
         ...
 
 
@@ -262,6 +273,23 @@ def run_probe(
     Returns:
         A :class:`ProbeResult`.
     """
+    if reduction is None:
+        return _run(model, inputs, delta, options, generator, params, None, strict)
+    with reduction.gathered(model, delta, params) as (full_delta, rest):
+        return _run(model, inputs, full_delta, options, generator, rest, reduction, strict)
+
+
+def _run(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    options: ProbeOptions,
+    generator: torch.Generator | None,
+    params: Mapping[str, Tensor] | None,
+    reduction: GradientReduction | None,
+    strict: bool,
+) -> ProbeResult:
+    """:func:`run_probe` on full tensors: one forward, the samples, the autograd fallback."""
     try:
         setup = prepare_vjp(model, inputs, delta, options, params=params, strict=strict)
     except Exception:  # a forward that fails on one rank's shard too: the others must know
@@ -274,8 +302,14 @@ def run_probe(
     except RuntimeError as err:
         # torch.func traced the forward but its backward fails: a forward that enters
         # autocast itself (accelerate's, Trainer(bf16=True)) casts inside the transform,
-        # where the casts are not differentiated. Plain autograd works for any forward.
-        if options.strategy not in ("auto", "timed") or setup.strategy == "autograd":
+        # where the casts are not differentiated. Plain autograd works for any forward. Not
+        # after a failed collective: a retry would issue collectives the other ranks never
+        # join.
+        if (
+            options.strategy not in ("auto", "timed")
+            or setup.strategy == "autograd"
+            or isinstance(err, torch.distributed.DistError)
+        ):
             raise
         warn_once(
             model,
@@ -352,6 +386,7 @@ def probe(
     *,
     generator: torch.Generator | None = None,
     params: Mapping[str, Tensor] | None = None,
+    reduction: GradientReduction | None = None,
     **options: Unpack[ProbeKwargs],
 ) -> ProbeResult:
     """Per-sample log statistics of ``Z = delta * d phi / d W`` for every tensor in ``delta``.
@@ -365,6 +400,8 @@ def probe(
             run).
         params: values to evaluate the gradient at (e.g. the weights before an optimiser
             step); defaults to the module's current parameters. Partial dicts are fine.
+        reduction: makes the probe span processes (:class:`GradientReduction`; the
+            data-parallel one: :func:`fslr_func.distributed.probe`); ``None``: this process.
         **options: the probe's options (:class:`~fslr_func.probe.options.ProbeOptions`):
             ``samples``, ``omega``, ``output_fn``, ``readout``, ``chunk_size``, ``strategy``,
             ``grouping``, ``forward_seed``.
@@ -380,8 +417,9 @@ def probe(
         >>> r.log_stats["weight"].shape, r.readout
         (torch.Size([4, 4]), {'weight': 'weight', 'bias': 'bias'})
     """
+    opts = ProbeOptions(**options)
     return run_probe(
-        model, inputs, delta, ProbeOptions(**options), generator=generator, params=params
+        model, inputs, delta, opts, generator=generator, params=params, reduction=reduction
     )
 
 
@@ -393,6 +431,7 @@ def estimate(
     estimator: Estimator = "kron",
     generator: torch.Generator | None = None,
     params: Mapping[str, Tensor] | None = None,
+    reduction: GradientReduction | None = None,
     **options: Unpack[ProbeKwargs],
 ) -> dict[str, Tensor]:
     r"""One-probe estimate of every tensor's function-space learning rate (no EMA).
@@ -423,5 +462,7 @@ def estimate(
         ['0.bias', '0.weight', '2.bias', '2.weight']
     """
     check_estimator(estimator)
-    opts = ProbeOptions(**options)
-    return run_probe(model, inputs, delta, opts, generator=generator, params=params).fslr(estimator)
+    result = probe(
+        model, inputs, delta, generator=generator, params=params, reduction=reduction, **options
+    )
+    return result.fslr(estimator)

@@ -225,8 +225,11 @@ class VjpSetup:
         try:
             result: dict[str, Tensor] = vmap(fn)(omegas)
         except (RuntimeError, NotImplementedError) as err:
-            if self.requested == "vmap":
+            if self.requested == "vmap" or isinstance(err, torch.distributed.DistError):
                 raise
+            # the loop first: where it fails too (a forward wrapped in autocast), the
+            # caller's fallback to plain autograd gives the one warning
+            looped = self._loop(fn, omegas)
             warn_once(
                 self.model,
                 "loop",
@@ -235,7 +238,7 @@ class VjpSetup:
                 f"be slower)",
             )
             self.strategy = "loop"
-            return self._loop(fn, omegas)
+            return looped
         return result
 
 

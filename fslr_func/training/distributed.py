@@ -6,10 +6,9 @@ every rank gets the estimates of the global probe batch (the math: :mod:`fslr_fu
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any
 
-from torch import Tensor, nn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from ..parallel.data_parallel import (
@@ -18,9 +17,8 @@ from ..parallel.data_parallel import (
     is_data_parallel,
     unwrap,
 )
-from ..parallel.fsdp import gathered, is_fully_sharded
+from ..parallel.fsdp import is_fully_sharded
 from ..parallel.process_group import ProcessGroup, broadcast_seed
-from ..probe.functional import Inputs
 from .wrapper import FSLRModule
 
 __all__ = ["DistributedFSLRModule"]
@@ -81,24 +79,6 @@ class DistributedFSLRModule(FSLRModule):
     def ddp(self) -> nn.Module | None:
         """The data-parallel wrapper given to :func:`fslr_func.with_fslr`, or ``None``."""
         return self._wrapper[0] if self._wrapper else None
-
-    def fold(
-        self,
-        inputs: Inputs | list[Inputs],
-        delta: Mapping[str, Tensor],
-        *,
-        params: Mapping[str, Tensor] | None = None,
-        step: int | None = None,
-        strict: bool = False,
-        changed: Mapping[str, Tensor] | None = None,
-    ) -> None:
-        """:meth:`FSLRModule.fold`, on parameters and update all-gathered under FSDP2.
-
-        Every rank must call it (under FSDP2 the all-gathers, and in every distributed probe
-        the all-reduces, are collectives); ``measure`` and ``observe`` go through it.
-        """
-        with gathered(self.module, delta, params) as (full_delta, rest):
-            super().fold(inputs, full_delta, params=rest, step=step, strict=strict, changed=changed)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The data-parallel wrapper's forward (or the model's if it was not wrapped)."""

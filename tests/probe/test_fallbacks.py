@@ -348,3 +348,38 @@ def test_a_genuine_error_in_the_model_is_raised_not_hidden() -> None:
         ):
             warnings.simplefilter("ignore", RuntimeWarning)
             fn(model, x, delta)
+
+
+def test_a_failed_collective_is_raised_not_retried_with_autograd() -> None:
+    """A reduction whose collective fails must not be retried by the autograd fallback: the
+    retry would issue collectives the other ranks never join."""
+    import contextlib
+    import warnings as _warnings
+
+    import torch.distributed as dist
+
+    from fslr_func.probe.sampling import OmegaSlice, probe
+
+    class Failing:
+        calls = 0
+
+        def omega_slice(self, num_outputs, delta, samples, generator):  # type: ignore[no-untyped-def]
+            return OmegaSlice(generator, num_outputs, 0, num_outputs)
+
+        def reduce(self, grads):  # type: ignore[no-untyped-def]
+            Failing.calls += 1
+            raise dist.DistBackendError("the peer went away")
+
+        def abort(self, delta, samples):  # type: ignore[no-untyped-def]
+            pass
+
+        def gathered(self, model, delta, params):  # type: ignore[no-untyped-def]
+            return contextlib.nullcontext((delta, params))
+
+    model = torch.nn.Linear(3, 2)
+    delta = {n: torch.ones_like(p) for n, p in model.named_parameters()}
+    with _warnings.catch_warnings():
+        _warnings.simplefilter("error")  # no fallback warning either
+        with pytest.raises(dist.DistBackendError, match="went away"):
+            probe(model, torch.randn(4, 3), delta, samples=4, reduction=Failing())
+    assert Failing.calls == 1
