@@ -31,6 +31,7 @@ from .configs import MODES, SweepConfig, lr_key, scale_key
 from .mup import apply_mup, base_shapes, mup_init_task
 from .task import Task
 from .train import AroundStep, OnStep, last_mean, make_optimizer, make_schedule, train
+from .variants import VARIANTS
 
 __all__ = ["RUN_FORMAT", "RunSpec", "execute", "grid"]
 
@@ -186,10 +187,11 @@ def execute(
     probes = task.probe_batches(spec.seed)
     around: AroundStep | None = None
     recorder: Recorder | None = None
-    flerm: FLeRM | None = None
+    flerm: Any = None
     if spec.mode == "flerm":
         assert base is not None
-        flerm = FLeRM(
+        make = FLeRM if config.flerm_variant is None else VARIANTS[config.flerm_variant].make
+        flerm = make(
             fm,
             opt,
             base,
