@@ -174,12 +174,17 @@ def execute(
             model, shapes, spec.lr, weight_decay=config.weight_decay, optimizer=config.optimizer
         )
         mup_lrs = {g["name"]: g["lr"] for g in params}
+    variant = None if config.flerm_variant is None else VARIANTS[config.flerm_variant]
+    # a variant's probe options apply to its FLeRM runs and to the base runs it records
+    probe: dict[str, Any] = {"samples": config.samples}
+    if variant is not None and (spec.mode == "flerm" or record):
+        probe.update(variant.probe)
     fm = with_fslr(
         model,
-        samples=config.samples,
         seed=spec.seed,
         output_fn=task.output_fn,
         strategy=config.strategy,
+        **probe,
     )
     opt = make_optimizer(config.optimizer, params, spec.lr, config.weight_decay)
     sched = make_schedule(opt, config.schedule, config.steps)
@@ -190,7 +195,8 @@ def execute(
     flerm: Any = None
     if spec.mode == "flerm":
         assert base is not None
-        make = FLeRM if config.flerm_variant is None else VARIANTS[config.flerm_variant].make
+        extra: dict[str, Any] = {} if variant is None else {"steps": config.steps}
+        make = FLeRM if variant is None else variant.make
         flerm = make(
             fm,
             opt,
@@ -201,6 +207,7 @@ def execute(
             every=config.every,
             warmup_samples=config.warmup_samples,
             scheduler=sched,
+            **extra,
         )
         ctl = flerm
         around = lambda t: ctl.step()  # noqa: E731
@@ -249,5 +256,6 @@ def execute(
             "targets": point.targets,
             "held": list(point.held),
             "set_points": [p.step for p in flerm.history],
+            "final_lrs": flerm.lrs(),
         }
     return result, None if recorder is None else recorder.record

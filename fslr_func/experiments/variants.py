@@ -1,31 +1,334 @@
-"""FLeRM variants measured on the transfer matrix (issue 23): prototypes built on the public
-API (:class:`fslr_func.FLeRM`), selected by :attr:`SweepConfig.flerm_variant`.
+r"""FLeRM variants measured on the transfer matrix (issue 23): prototypes built on the public API.
 
-Filled in below; :data:`VARIANTS` names them.
+Static FLeRM (the paper's main results) sets each tensor's rate once, at step 0, from the
+first update of the scaled run, which under Adam is :math:`\mathrm{sign}(g)` (bias-corrected
+first step: :math:`m/\sqrt v = g/|g|`), against the base run's first update:
+
+.. math::
+
+    r_W = \frac{\mathrm{FSLR}^\text{base}_W(0)}{\mathrm{FSLR}_W(0)}, \qquad \eta_W = \eta_0 r_W .
+
+The sign of a gradient summed over a batch is far more aligned with the layer's inputs than
+later Adam updates (a moving average of noisy gradients over their RMS): the unit-rate FSLR of
+every tensor falls to 6-30% of its step-0 value within ten steps (docs/reproduction.md, "Why
+FLeRM under-sets width rates"), and it falls further in a wider layer, whose inputs' sum over
+more units makes the first step's alignment count more. So :math:`r_W` read at step 0 is too
+small for the rest of training wherever that fall depends on width.
+
+:class:`WindowFLeRM` keeps the step-0 set point and then matches the function-space movement
+accumulated over a window of later steps: with unit-rate FSLRs probed every ``every`` steps
+in ``[lo, hi]`` (each probe its own estimate, ``beta = 0``, in the base record too),
+
+.. math::
+
+    r_W(t) = \frac{\sum_{s \in S_t} T_W(s)}{\sum_{s \in S_t} \mathrm{FSLR}_W(s)}, \qquad
+    S_t = \{s : lo \le s \le t,\ s \equiv lo \pmod{every}\},
+
+set at every probe step :math:`t` of the window (``cumulative``) or once, at its end, and
+held afterwards: the movement per step, summed over the window, equals the base's. The sums
+(not a mean of per-probe ratios) keep the noise of a single probe from setting a rate.
+
+:class:`HiddenWidthPolicy` changes the targets instead of the set point. In the standard
+parametrisation the readout's weights are :math:`\Theta(n^{-1/2})` at width :math:`n`, and a
+gradient-driven change :math:`\delta` per coordinate of the features (the readout's input) is
+aligned with them, so it moves the output by about :math:`\sqrt n \, \delta`: holding each
+hidden tensor's output movement at the base's, as FLeRM does, shrinks its feature movement by
+:math:`\sqrt{m}` at :math:`m` times the width (feature learning fades with width, the
+regime muP was built to avoid). The policy keeps the feature movement instead: a hidden
+tensor's target is the base's times :math:`m_\text{in}^{\alpha}`, :math:`\alpha = 1/2`,
+:math:`m_\text{in}` its fan-in multiplier; a *hidden* tensor is one whose fan-out and fan-in
+(dims 0 and 1) both grow with the width (muP's "two infinite dimensions": hidden linear and
+conv weights, attention and MLP matrices); every other tensor (input layer, embeddings,
+biases, norms, readout) keeps the base's target. Measured, not derived, where it matters:
+on the ResMLP of 300 steps, multiplying the hidden weights' rates by 2.83 after FLeRM's set
+point gives 0.720 (re-tuned standard training 0.735, FLeRM 0.818), while doing the same to
+the input layer too gives 0.803.
+
+:data:`VARIANTS` names the variants the matrix runs (``SweepConfig.flerm_variant``); each
+carries the probe options (``with_fslr`` keywords) of its base recordings and FLeRM runs.
+
+Example:
+    >>> import torch, fslr_func as ff
+    >>> def run(width, lr, base=None):
+    ...     torch.manual_seed(0)
+    ...     net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(),
+    ...                               torch.nn.Linear(width, 3))
+    ...     fm = ff.with_fslr(net, samples=4, seed=0, beta=0.0)
+    ...     opt = torch.optim.Adam(fm.parameters(), lr=lr)
+    ...     probes = (torch.randn(16, 4) for _ in range(1000))
+    ...     ctl = (ff.Recorder(fm, probes, optimizer=opt, warmup_samples=4, every=2)
+    ...            if base is None else WindowFLeRM(fm, opt, base, probe_batches=probes,
+    ...                                             warmup_samples=4, every=2, window=(2, 6)))
+    ...     for t in range(8):
+    ...         opt.zero_grad()
+    ...         fm(torch.randn(16, 4)).square().mean().backward()
+    ...         with ctl.step():
+    ...             opt.step()
+    ...     return ctl
+    >>> flerm = run(32, 1e-2, run(8, 1e-2).record)
+    >>> [p.step for p in flerm.history]  # step 0, then the window's end
+    [0, 6]
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["VARIANTS", "Variant"]
+import torch
+
+from .. import policies
+from ..flerm import FLeRM, SetPoint
+from ..functional import Inputs
+from ..record import FSLRRecord
+from ..recorder import Recorder
+from ..transform import FSLRModule
+
+__all__ = ["VARIANTS", "HiddenWidthPolicy", "Variant", "WindowFLeRM", "window_ratios"]
+
+
+def window_ratios(
+    targets: Iterable[Mapping[str, float]],
+    fslrs: Iterable[Mapping[str, float]],
+    *,
+    min_fslr: float = 1e-12,
+) -> dict[str, float]:
+    r"""Per tensor, :math:`\sum_s T_W(s) / \sum_s \mathrm{FSLR}_W(s)` over paired probes;
+    tensors with a non-finite value in any probe, or a sum at most ``min_fslr``, are left out.
+
+    Example:
+        >>> window_ratios([{"w": 2.0}, {"w": 4.0}], [{"w": 1.0}, {"w": 1.0}])
+        {'w': 3.0}
+        >>> window_ratios([{"w": 1.0}], [{"w": float("nan")}])
+        {}
+    """
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    bad: set[str] = set()
+    for tgt, got in zip(targets, fslrs, strict=True):
+        for name, t in tgt.items():
+            f = got.get(name, math.nan)
+            if not (math.isfinite(t) and math.isfinite(f)):
+                bad.add(name)
+                continue
+            num[name] = num.get(name, 0.0) + t
+            den[name] = den.get(name, 0.0) + f
+    return {
+        n: num[n] / den[n] for n in num if n not in bad and den[n] > min_fslr and num[n] > min_fslr
+    }
+
+
+class WindowFLeRM(FLeRM):
+    r"""Static FLeRM, then movement matched over a window of later steps (module docstring).
+
+    Args:
+        fm, optimizer, base: as :class:`~fslr_func.flerm.FLeRM`; ``base`` should be recorded
+            with one probe every ``every`` steps and ``beta=0`` (each probe its own estimate),
+            as ``fm`` should be.
+        window: ``(lo, hi)``: the steps whose probes are matched; ``lo`` a multiple of
+            ``every`` after FLeRM's ``start_step``.
+        cumulative: re-match at every probe of the window (else once, at ``hi``).
+        every: the probe period (the base record's).
+        **kwargs: FLeRM's other options (``mode`` is ``"static"``).
+
+    Attributes:
+        window_record: the scaled run's probes in the window (an FSLR record).
+    """
+
+    def __init__(
+        self,
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        probe_batches: Iterable[Inputs],
+        window: tuple[int, int],
+        cumulative: bool = False,
+        every: int = 10,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("mode", None)
+        super().__init__(
+            fm, optimizer, base, probe_batches=probe_batches, mode="static", every=every, **kwargs
+        )
+        lo, hi = window
+        if not (lo >= 1 and hi >= lo and lo % every == 0):
+            raise ValueError(f"window must be (lo, hi), 1 <= lo <= hi, lo a multiple of {every}")
+        self.window = (lo, hi)
+        self.cumulative = cumulative
+        self.every = every
+        self._recorder = Recorder(
+            fm,
+            probe_batches,
+            optimizer=self.optimizer,
+            warmup_samples=fm.samples,
+            every=every,
+            start_step=lo,
+        )
+
+    @property
+    def window_record(self) -> FSLRRecord:
+        """The scaled run's unit-rate FSLRs probed in the window so far."""
+        return self._recorder.record
+
+    @contextlib.contextmanager
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """FLeRM's step; inside the window the recorder measures the optimiser's own update
+        (its direction is the scaled update's), and at a probe step the rates are re-matched."""
+        t = self.t
+        lo, hi = self.window
+        inside = lo <= t <= hi
+        with super().step(optimizer):
+            if t <= hi:  # the recorder counts steps from its first call: call it every step
+                with self._recorder.step(self.optimizer):
+                    yield
+            else:
+                yield
+        rec = self._recorder.record
+        probed = inside and len(rec) and rec.steps[-1] == t
+        if probed and (self.cumulative or t + self.every > hi):
+            self._rematch(t)
+
+    def _rematch(self, t: int) -> None:
+        rec = self._recorder.record
+        targets = [self._targets(s) for s in rec.steps]
+        fslrs = [{n: rec.fslr[n][i] for n in rec.fslr} for i in range(len(rec.steps))]
+        ratios = window_ratios(targets, fslrs, min_fslr=self.min_fslr)
+        self.ratios.update({n: r for n, r in ratios.items() if n in self.ratios})
+        self.history.append(
+            SetPoint(
+                step=t,
+                lrs=self.lrs(),
+                fslr=fslrs[-1],
+                targets=targets[-1],
+                held=tuple(n for n in self.names if n not in ratios),
+            )
+        )
+
+
+class HiddenWidthPolicy:
+    r"""A policy: ``inner``'s targets, hidden tensors' times :math:`m_\text{in}^\alpha`.
+
+    Args:
+        model: the scaled model (its ``named_parameters()`` names are the policy's).
+        base_shapes: the base model's, by name (``FSLRRecord.shapes``); extra blocks of a
+            deeper model are compared with their role in the base
+            (:func:`~fslr_func.experiments.mup.width_mults`).
+        alpha: the exponent (1/2: keep the features' movement in the standard
+            parametrisation; 0: ``inner`` itself).
+        inner: the policy mapping base FSLRs to the scaled tensors (default identity).
+
+    Attributes:
+        factors: tensor name -> the factor on its target (hidden tensors only).
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 64),
+        ...                           torch.nn.Linear(64, 3))
+        >>> small = {n: tuple(p.shape) for n, p in torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+        ... ).named_parameters()}
+        >>> pol = HiddenWidthPolicy(net, small)
+        >>> pol.factors
+        {'1.weight': 2.0}
+        >>> pol({n: 1.0 for n in small}, list(small))["1.weight"]
+        2.0
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        base_shapes: Mapping[str, Sequence[int]],
+        *,
+        alpha: float = 0.5,
+        inner: policies.PolicySpec = "identity",
+    ) -> None:
+        from .mup import width_mults
+
+        self.inner = policies.resolve(inner)
+        self.one_to_one = policies.is_one_to_one(self.inner)
+        self.alpha = float(alpha)
+        mults = width_mults(model, {k: tuple(v) for k, v in base_shapes.items()})
+        self.factors = {
+            n: m[1] ** self.alpha
+            for n, m in mults.items()
+            if len(m) >= 2 and m[0] is not None and m[1] is not None
+        }
+        self.__name__ = f"hidden_width(alpha={self.alpha:g})"
+
+    def __call__(self, base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
+        """``inner``'s targets, each hidden tensor's times its factor."""
+        targets = policies.apply(self.inner, base, scaled, allow_zero=True)
+        return {n: v * self.factors.get(n, 1.0) for n, v in targets.items()}
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A FLeRM variant: how its controller is made.
+    """A FLeRM variant: how its controller is made, and how its runs are probed.
 
     Attributes:
-        make: ``make(fm, optimizer, base, **flerm_kwargs) -> controller`` with FLeRM's
-            ``step()`` context manager and ``history``.
+        make: ``make(fm, optimizer, base, *, steps, **flerm_kwargs) -> controller`` with
+            FLeRM's ``step()`` context manager and ``history``.
         doc: one line for tables.
+        probe: ``with_fslr`` keywords of the variant's base recordings and FLeRM runs
+            (e.g. ``beta=0``: each probe its own estimate).
     """
 
     make: Callable[..., Any]
     doc: str
+    probe: Mapping[str, Any] = field(default_factory=dict)
 
 
-#: Variants by name.
-VARIANTS: dict[str, Variant] = {}
+def _window(fraction: float, cumulative: bool) -> Callable[..., WindowFLeRM]:
+    def make(
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        steps: int,
+        every: int = 10,
+        **kwargs: Any,
+    ) -> WindowFLeRM:
+        hi = max(every, int(fraction * steps) // every * every)
+        return WindowFLeRM(
+            fm, optimizer, base, window=(every, hi), cumulative=cumulative, every=every, **kwargs
+        )
+
+    return make
+
+
+def _hidden_width(alpha: float) -> Callable[..., FLeRM]:
+    def make(
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        steps: int,
+        policy: policies.PolicySpec = "identity",
+        **kwargs: Any,
+    ) -> FLeRM:
+        pol = HiddenWidthPolicy(fm.module, base.shapes, alpha=alpha, inner=policy)
+        return FLeRM(fm, optimizer, base, policy=pol, **kwargs)
+
+    return make
+
+
+#: Variants by name. Probes of 32 omega samples, each its own estimate (``beta=0``).
+VARIANTS: dict[str, Variant] = {
+    "window30": Variant(
+        _window(0.3, cumulative=False),
+        "step-0 set point, then movement matched over steps 10..30% of the budget, held",
+        {"beta": 0.0, "samples": 32},
+    ),
+    "window_all": Variant(
+        _window(1.0, cumulative=True),
+        "step-0 set point, then re-matched at every probe to the movement summed since step 10",
+        {"beta": 0.0, "samples": 32},
+    ),
+    "hidden_sqrt": Variant(
+        _hidden_width(0.5),
+        "static FLeRM, hidden tensors' targets times sqrt(fan-in multiplier)",
+    ),
+}
