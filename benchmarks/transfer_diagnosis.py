@@ -1,33 +1,27 @@
 r"""Why FLeRM under-sets width rates (issue 23, item 2): per-tensor measurements on matrix cells.
 
-For a cell of ``benchmarks/transfer_matrix.py`` (its base best rate :math:`b` and base records
-read from the cell's folder, so run the matrix cell first), seeds as given:
+For a cell of ``benchmarks/transfer_matrix.py`` (its base best rate :math:`b` and re-tuned 8x
+rate :math:`b_8` read from the cell's folder, so run the matrix cell first), per seed, three
+runs whose unit-rate FSLRs are probed every 10 steps, each probe its own estimate (``beta=0``,
+32 omega samples; the sweeps' EMA across probes, ``beta=0.9`` at one probe every 10 steps,
+averages every reading over about 100 steps): the base (1x, standard training at :math:`b`,
+recorded), static FLeRM at 8x from that record at :math:`b`, standard training at 8x at
+:math:`b_8`. Printed per tensor role (block index replaced by ``*``; geometric means over
+seeds, blocks and the probes of a window of steps):
 
-FSLRs here are each probe's own (``beta=0``, 32 omega samples per probe, one probe every 10
-steps, the base re-recorded so, each seed against its own base run): the sweep's EMA across
-probes (``beta=0.9``) would average every reading over about 100 steps.
+1. **Drift of the static set point**: static FLeRM's movement per step at 8x (its rate times
+   the unit-rate FSLR) over the base's; 1 at step 0 by construction, below 1 where FLeRM
+   under-moves the 8x model later.
+2. **Re-tuned standard training**: the same ratio for standard training at 8x at :math:`b_8`.
+3. **Adam's first step**: the unit-rate FSLR over its step-0 value (:math:`\mathrm{sign}(g)`),
+   at 1x and at 8x: what static FLeRM's one measurement misses.
+4. **Estimator bias**: at steps 0 and 50 of the base run and of the FLeRM run, every tensor's
+   update probed with ``kron`` (the library's default; conv weights grouped
+   ``out x (in * k)``) and ``full`` (256 samples) over :func:`fslr_func.exact` (the jvp
+   ground truth), on a held-out batch.
 
-1. **Drift of the static set point.** Periodic FLeRM at 8x and rate :math:`b`, re-matched every
-   10 steps: at each set point :math:`t` it sets :math:`r_W(t) = \eta_W(t) / b =
-   T_W(t) / \mathrm{FSLR}_W(t)`, the rate (over :math:`b`) that makes tensor :math:`W` move the
-   function as the base does at :math:`t`. Static FLeRM keeps :math:`r_W(0)` throughout; the
-   printed :math:`r_W(t) / r_W(0)` is the factor by which it under-sets (above 1) or over-sets
-   (below 1) the rate the base's movement asks for at :math:`t`.
-2. **Where re-tuned standard training puts its movement.** Standard training at 8x at its own
-   best rate :math:`b_8` (from the cell) with a recorder: per tensor, its movement per step
-   :math:`b_8 \, \mathrm{FSLR}^{8x}_W(t)` over the base's :math:`b \, \mathrm{FSLR}^{1x}_W(t)`
-   (1: it moves that tensor as the base does; what FLeRM imposes).
-3. **Estimator bias.** At steps 0 (Adam's first update, :math:`\mathrm{sign}(g)`) and 50 of
-   the periodic FLeRM run (8x) and of the base run (1x), the update of every tensor is probed
-   with ``kron`` (the library's default, conv weights grouped ``out x (in * k)``) and
-   ``full`` against :func:`fslr_func.exact` (the jvp ground truth), on a held-out batch.
-4. **Adam's first step.** :math:`\mathrm{FSLR}_W(t) / \mathrm{FSLR}_W(0)` at 1x (base
-   record) and at 8x (the periodic run): how much of the step-0 movement per unit rate
-   (:math:`\mathrm{sign}(g)`) remains later, at each width.
-
-Tensors are grouped by role (block index replaced by ``*``), geometric means over blocks.
 Run: ``nice -n 15 python benchmarks/transfer_diagnosis.py --cell conv1d-w16-s150 --seeds 0,1``
-(writes ``fslr_runs/diagnosis/<cell>.json``; ``--plot docs/img/x.png`` a figure of item 1).
+(writes ``fslr_runs/diagnosis/<cell>.json``, which a second call re-prints).
 """
 
 from __future__ import annotations
@@ -189,7 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for seed in seeds:
         if str(seed) in result["seeds"]:
             continue
-        print(f"seed {seed}: periodic FLeRM 8x, base 1x, standard 8x at b8", flush=True)
+        print(f"seed {seed}: base 1x, static FLeRM 8x, standard 8x at b8", flush=True)
         base1 = trace(task, config, config.base_scale, b, seed, None)
         base = ff.FSLRRecord.from_dict(base1.pop("base"))
         flerm8 = trace(task, config, config.scales[-1], b, seed, base)

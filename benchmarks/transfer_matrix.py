@@ -111,6 +111,50 @@ HEADER = (
 )
 
 
+def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
+    """Bars per cell: loss at 8x at the base's best rate over re-tuned standard training's best
+    loss at 8x, for FLeRM, each variant and muP (1: as good as re-tuning)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc)
+    series: list[tuple[str, list[float]]] = []
+
+    def ratio(cell: Mapping[str, Any], mode: str) -> float:
+        e = cell["modes"].get(mode, {})
+        mean = e.get("at_tuned", {}).get("mean")
+        return mean / std if mean is not None and (std := std_best) else math.nan
+
+    for label, key, mode in [
+        ("FLeRM", None, "flerm"),
+        *[(f"FLeRM {v}", v, "flerm") for v in variants],
+        ("muP", None, "mup"),
+    ]:
+        vals = []
+        for n in names:
+            std_best = doc[n]["main"]["modes"]["standard"].get("best_loss")
+            cell = doc[n]["main"] if key is None else doc[n]["variants"].get(key)
+            vals.append(ratio(cell, mode) if cell else math.nan)
+        series.append((label, vals))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) * (len(series) + 1) / 3 + 1.5))
+    h = 0.8 / len(series)
+    for i, (label, vals) in enumerate(series):
+        ax.barh([k + i * h for k in range(len(names))], vals, height=h, label=label)
+    finite = [v for _, vals in series for v in vals if math.isfinite(v)]
+    ax.set_xlim(left=max(0.0, min(finite, default=1.0) - 0.05))
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.axvline(1.02, color="k", lw=0.5, ls=":")
+    ax.set_yticks([k + 0.4 - h / 2 for k in range(len(names))], names)
+    ax.invert_yaxis()
+    ax.set_xlabel("loss at 8x at the base's best rate / re-tuned standard training's best at 8x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run (or re-read) the cells and print the matrix; exit status 0."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -118,8 +162,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--list", action="store_true", help="print the cell names and exit")
     p.add_argument("--out", type=Path, default=Path("fslr_runs/matrix"))
     p.add_argument("--jobs", type=int, default=1)
-    p.add_argument("--variant", default=None, help="a FLeRM variant to run on the cells")
+    p.add_argument(
+        "--variant", action="append", default=[], help="a FLeRM variant to run (repeatable)"
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the read-outs here")
+    p.add_argument("--plot", type=Path, default=None, help="also draw the ratios here")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join([*CELLS, *EXTRA_CELLS]))
@@ -129,32 +176,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in cells]
     if unknown:
         p.error(f"unknown cells {unknown}; --list names them")
-    rows, doc = [], {}
+    doc: dict[str, Any] = {}
     for name in names:
         config = cells[name]
         t0 = time.perf_counter()
         main_out = adaptive_cell(
             config, args.out / name, jobs=args.jobs, log=lambda s: print(s, flush=True)
         )
-        variant = None
-        if args.variant:
-            variant = adaptive_cell(
-                config.replace(flerm_variant=args.variant),
-                args.out / f"{name}+{args.variant}",
+        doc[name] = {"main": main_out, "variants": {}}
+        for variant in args.variant:
+            doc[name]["variants"][variant] = adaptive_cell(
+                config.replace(flerm_variant=variant),
+                args.out / f"{name}+{variant}",
                 modes=("flerm",),
                 tuned=main_out["tuned"],
                 jobs=args.jobs,
                 log=lambda s: print(s, flush=True),
             )
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
-        rows.append(row(name, main_out, variant))
-        doc[name] = {"main": main_out, "variant": variant}
-    label = f" (FLeRM columns: variant {args.variant})" if args.variant else ""
-    print(f"\ntransfer matrix{label}, 1x -> 8x width, loss at 8x:\n{HEADER}")
-    print("\n".join(rows))
+    for variant in [None, *args.variant]:
+        label = f" (FLeRM columns: variant {variant})" if variant else ""
+        print(f"\ntransfer matrix{label}, 1x -> 8x width, loss at 8x:\n{HEADER}")
+        for name, d in doc.items():
+            print(row(name, d["main"], d["variants"][variant] if variant else None))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
+    if args.plot:
+        plot(doc, args.variant, args.plot)
     return 0
 
 

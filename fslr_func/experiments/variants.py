@@ -281,7 +281,9 @@ class Variant:
     probe: Mapping[str, Any] = field(default_factory=dict)
 
 
-def _window(fraction: float, cumulative: bool) -> Callable[..., WindowFLeRM]:
+def _window(
+    fraction: float, cumulative: bool, alpha: float | None = None
+) -> Callable[..., WindowFLeRM]:
     def make(
         fm: FSLRModule,
         optimizer: torch.optim.Optimizer,
@@ -289,11 +291,21 @@ def _window(fraction: float, cumulative: bool) -> Callable[..., WindowFLeRM]:
         *,
         steps: int,
         every: int = 10,
+        policy: policies.PolicySpec = "identity",
         **kwargs: Any,
     ) -> WindowFLeRM:
         hi = max(every, int(fraction * steps) // every * every)
+        if alpha is not None:
+            policy = HiddenWidthPolicy(fm.module, base.shapes, alpha=alpha, inner=policy)
         return WindowFLeRM(
-            fm, optimizer, base, window=(every, hi), cumulative=cumulative, every=every, **kwargs
+            fm,
+            optimizer,
+            base,
+            window=(every, hi),
+            cumulative=cumulative,
+            every=every,
+            policy=policy,
+            **kwargs,
         )
 
     return make
@@ -325,6 +337,11 @@ VARIANTS: dict[str, Variant] = {
     "window_all": Variant(
         _window(1.0, cumulative=True),
         "step-0 set point, then re-matched at every probe to the movement summed since step 10",
+        {"beta": 0.0, "samples": 32},
+    ),
+    "hidden_sqrt_window30": Variant(
+        _window(0.3, cumulative=False, alpha=0.5),
+        "hidden_sqrt's targets, matched at step 0 and then over steps 10..30% of the budget",
         {"beta": 0.0, "samples": 32},
     ),
     "hidden_sqrt": Variant(
