@@ -113,3 +113,34 @@ def test_hidden_width_variant_sets_hidden_rates_up_by_the_factor(tmp_path):
         factor = 2.0 if name.startswith("blocks") and name.endswith("weight") else 1.0
         assert b["lrs"][name] == pytest.approx(factor * lr, rel=1e-9), name
     assert set(VARIANTS) >= {"hidden_sqrt", "window30", "window_all"}
+
+
+def test_feature_variant_rescales_only_hidden_tensors_by_the_measured_gain(tmp_path):
+    common = dict(
+        width=4,
+        depth=2,
+        scales=(1, 8),
+        lrs=(0.01,),
+        steps=3,
+        last=1,
+        seeds=1,
+        num_samples=500,
+        batch_size=16,
+        samples=4,
+        warmup_samples=4,
+        every=2,
+        modes=("flerm",),
+    )
+    plain = run_sweep(SweepConfig(**common), tmp_path / "plain", quiet=True)
+    var = run_sweep(SweepConfig(**common, flerm_variant="feature"), tmp_path / "var", quiet=True)
+    gains = ff.FSLRRecord.load(tmp_path / "var" / "records" / "lr=0.01_seed=0.json").meta[
+        "feature_gain"
+    ]
+    assert "readout.weight" not in gains and "blocks.0.linear.weight" in gains
+    key = "flerm_scale=8_lr=0.01_seed=0"
+    a, b = plain.runs[key]["flerm"], var.runs[key]["flerm"]
+    assert a["lrs"] == b["lrs"]  # the same base record and set point
+    for name, lr in a["final_lrs"].items():
+        hidden = name.startswith("blocks") and name.endswith("weight")
+        ratio = b["final_lrs"][name] / lr
+        assert (ratio != pytest.approx(1.0)) if hidden else ratio == pytest.approx(1.0), name

@@ -403,12 +403,16 @@ class Transformer(nn.Module):
         self.final_norm = _layer_norm(d_model, affine)
         self.readout = _Linear(d_model, vocab_size)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits ``(batch, seq, vocab)`` for integer ``tokens`` of shape ``(batch, seq)``."""
+    def features(self, tokens: Tensor) -> Tensor:
+        """The readout's input ``(batch, seq, d_model)``: the final norm of the residual stream."""
         t = tokens.shape[-1]
         if t > self.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.seq_len}")
         x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        return self.readout(self.final_norm(x))
+        return self.final_norm(x)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits ``(batch, seq, vocab)`` for integer ``tokens`` of shape ``(batch, seq)``."""
+        return self.readout(self.features(tokens))

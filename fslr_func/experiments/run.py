@@ -212,7 +212,10 @@ def execute(
         ctl = flerm
         around = lambda t: ctl.step()  # noqa: E731
     elif record:
-        recorder = Recorder(
+        make_recorder = (
+            Recorder if variant is None or variant.recorder is None else variant.recorder
+        )
+        recorder = make_recorder(
             fm,
             probes,
             warmup_samples=config.warmup_samples,

@@ -73,6 +73,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -87,7 +88,16 @@ from ..record import FSLRRecord
 from ..recorder import Recorder
 from ..transform import FSLRModule
 
-__all__ = ["VARIANTS", "HiddenWidthPolicy", "Variant", "WindowFLeRM", "window_ratios"]
+__all__ = [
+    "VARIANTS",
+    "FeatureFLeRM",
+    "GainRecorder",
+    "HiddenWidthPolicy",
+    "Variant",
+    "WindowFLeRM",
+    "feature_gains",
+    "window_ratios",
+]
 
 
 def window_ratios(
@@ -264,6 +274,146 @@ class HiddenWidthPolicy:
         return {n: v * self.factors.get(n, 1.0) for n, v in targets.items()}
 
 
+class _Features(torch.nn.Module):
+    """``model.features`` (the readout's input) as a module's output; parameters ``m.<name>``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m.features(x)  # type: ignore[operator,no-any-return]
+
+
+def feature_gains(
+    model: torch.nn.Module,
+    inputs: Any,
+    before: Mapping[str, torch.Tensor],
+) -> dict[str, float]:
+    r"""Per tensor, :math:`\|J_f \Delta W\|_\mathrm{RMS} / \|J_h \Delta W\|_\mathrm{RMS}`:
+    how much the output moves per unit of feature movement (``model.features``, the readout's
+    input) for the update ``params - before``, both by :func:`fslr_func.exact`. Tensors that
+    do not move the features (the readout) are left out.
+
+    Example:
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+        ...     def features(self, x):
+        ...         return self.a(x)
+        ...     def forward(self, x):
+        ...         return self.b(self.features(x))
+        >>> _ = torch.manual_seed(0)
+        >>> net = Net()
+        >>> before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        >>> with torch.no_grad():
+        ...     _ = net.a.weight.add_(0.1)
+        >>> sorted(feature_gains(net, torch.randn(8, 3), before))
+        ['a.weight']
+    """
+    from ..exact import exact
+
+    params = dict(model.named_parameters())
+    delta = {n: p.detach() - before[n] for n, p in params.items()}
+    moved = {n for n, d in delta.items() if bool(d.ne(0).any())}
+    out = exact(model, inputs, {n: delta[n] for n in moved}, params=dict(before))
+    feat = exact(
+        _Features(model),
+        inputs,
+        {f"m.{n}": delta[n] for n in moved},
+        params={f"m.{n}": v for n, v in before.items()},
+    )
+    gains = {}
+    for n in moved:
+        o, f = float(out[n]), float(feat[f"m.{n}"])
+        if f > 0 and o > 0 and math.isfinite(o / f):
+            gains[n] = o / f
+    return gains
+
+
+class GainRecorder(Recorder):
+    """A :class:`~fslr_func.recorder.Recorder` that also stores, in ``record.meta
+    ["feature_gain"]``, :func:`feature_gains` of the base run's first update (on one probe
+    batch drawn at construction)."""
+
+    def __init__(self, fm: FSLRModule, probe_batches: Iterable[Inputs], **kwargs: Any) -> None:
+        it = iter(probe_batches)
+        self._gain_inputs = next(it)
+        # put the batch back: the probes (and so the record) are the plain recorder's
+        super().__init__(fm, itertools.chain([self._gain_inputs], it), **kwargs)
+        self._first = True
+
+    @contextlib.contextmanager
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Any]:
+        """The recorder's step; after the first one, the feature gains of its update."""
+        model = self.fm.module
+        before = (
+            {n: p.detach().clone() for n, p in model.named_parameters()} if self._first else None
+        )
+        with super().step(optimizer) as m:
+            yield m
+        if before is not None:
+            self._first = False
+            self.record.meta["feature_gain"] = feature_gains(model, self._gain_inputs, before)
+
+
+class FeatureFLeRM(FLeRM):
+    r"""Static FLeRM whose hidden tensors match the base's *feature* movement, measured.
+
+    FLeRM matches each tensor's output movement. For a hidden tensor (fan-out and fan-in both
+    grown, :class:`HiddenWidthPolicy`'s test) this rescales its rate after the set point by
+    :math:`G^{s}_W / G^{b}_W`, the gain from feature movement to output movement
+    (:func:`feature_gains`) of the scaled model's first update over the base's (read from
+    ``base.meta["feature_gain"]``, recorded by :class:`GainRecorder`; both on the first probe
+    batch, which the set point also uses), so that its movement of
+    the features (the readout's input, per coordinate) is the base's: :math:`\sqrt m` under the
+    standard parametrisation's readout if the update is aligned with it (the assumption of
+    :class:`HiddenWidthPolicy` with :math:`\alpha = 1/2`), measured here instead.
+    """
+
+    def __init__(
+        self,
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        probe_batches: Iterable[Inputs],
+        **kwargs: Any,
+    ) -> None:
+        it = iter(probe_batches)
+        self._gain_inputs = next(it)
+        super().__init__(
+            fm, optimizer, base, probe_batches=itertools.chain([self._gain_inputs], it), **kwargs
+        )
+        from .mup import width_mults
+
+        mults = width_mults(fm.module, {k: tuple(v) for k, v in base.shapes.items()})
+        self.hidden = [
+            n for n, m in mults.items() if len(m) >= 2 and m[0] is not None and m[1] is not None
+        ]
+        gain = base.meta.get("feature_gain")
+        if isinstance(gain, list):  # a seed mean keeps the first record's meta
+            gain = gain[0]
+        self.base_gain: dict[str, float] = dict(gain or {})
+        self.factors: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """FLeRM's step; after the set point, the hidden tensors' ratios times the gains'."""
+        first = not self.history
+        model = self.fm.module
+        before = {n: p.detach().clone() for n, p in model.named_parameters()} if first else None
+        with super().step(optimizer):
+            yield
+        if before is not None and self.history:
+            gains = feature_gains(model, self._gain_inputs, before)
+            for n in self.hidden:
+                if n in gains and n in self.base_gain and n in self.ratios:
+                    self.factors[n] = gains[n] / self.base_gain[n]
+                    self.ratios[n] *= self.factors[n]
+
+
 @dataclass(frozen=True)
 class Variant:
     """A FLeRM variant: how its controller is made, and how its runs are probed.
@@ -272,6 +422,8 @@ class Variant:
         make: ``make(fm, optimizer, base, *, steps, **flerm_kwargs) -> controller`` with
             FLeRM's ``step()`` context manager and ``history``.
         doc: one line for tables.
+        recorder: makes the base runs' recorder (``Recorder``'s signature); ``None``: the
+            library's.
         probe: ``with_fslr`` keywords of the variant's base recordings and FLeRM runs
             (e.g. ``beta=0``: each probe its own estimate).
     """
@@ -279,6 +431,7 @@ class Variant:
     make: Callable[..., Any]
     doc: str
     probe: Mapping[str, Any] = field(default_factory=dict)
+    recorder: Callable[..., Recorder] | None = None
 
 
 def _window(
@@ -343,6 +496,11 @@ VARIANTS: dict[str, Variant] = {
         _window(0.3, cumulative=False, alpha=0.5),
         "hidden_sqrt's targets, matched at step 0 and then over steps 10..30% of the budget",
         {"beta": 0.0, "samples": 32},
+    ),
+    "feature": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: FeatureFLeRM(fm, optimizer, base, **kw),
+        "static FLeRM, hidden tensors re-scaled to the base's feature movement (measured)",
+        recorder=GainRecorder,
     ),
     "hidden_sqrt": Variant(
         _hidden_width(0.5),
