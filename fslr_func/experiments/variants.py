@@ -202,11 +202,15 @@ class WindowFLeRM(FLeRM):
         if probed and (self.cumulative or t + self.every > hi):
             self._rematch(t)
 
+    def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
+        """The window's ratios as set (a hook for subclasses: here unchanged)."""
+        return ratios
+
     def _rematch(self, t: int) -> None:
         rec = self._recorder.record
         targets = [self._targets(s) for s in rec.steps]
         fslrs = [{n: rec.fslr[n][i] for n in rec.fslr} for i in range(len(rec.steps))]
-        ratios = window_ratios(targets, fslrs, min_fslr=self.min_fslr)
+        ratios = self._adjust(window_ratios(targets, fslrs, min_fslr=self.min_fslr))
         self.ratios.update({n: r for n, r in ratios.items() if n in self.ratios})
         self.history.append(
             SetPoint(
@@ -414,6 +418,15 @@ class FeatureFLeRM(FLeRM):
                     self.ratios[n] *= self.factors[n]
 
 
+class FeatureWindowFLeRM(FeatureFLeRM, WindowFLeRM):
+    """:class:`FeatureFLeRM`'s hidden-tensor factors on :class:`WindowFLeRM`'s rates: the
+    step-0 set point and the window's re-match both match output movement, then each hidden
+    tensor's ratio is multiplied by its factor (measured once, after the step-0 set point)."""
+
+    def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
+        return {n: r * self.factors.get(n, 1.0) for n, r in ratios.items()}
+
+
 @dataclass(frozen=True)
 class Variant:
     """A FLeRM variant: how its controller is made, and how its runs are probed.
@@ -435,7 +448,10 @@ class Variant:
 
 
 def _window(
-    fraction: float, cumulative: bool, alpha: float | None = None
+    fraction: float,
+    cumulative: bool,
+    alpha: float | None = None,
+    cls: type[WindowFLeRM] = WindowFLeRM,
 ) -> Callable[..., WindowFLeRM]:
     def make(
         fm: FSLRModule,
@@ -450,7 +466,7 @@ def _window(
         hi = max(every, int(fraction * steps) // every * every)
         if alpha is not None:
             policy = HiddenWidthPolicy(fm.module, base.shapes, alpha=alpha, inner=policy)
-        return WindowFLeRM(
+        return cls(
             fm,
             optimizer,
             base,
@@ -500,6 +516,12 @@ VARIANTS: dict[str, Variant] = {
     "feature": Variant(
         lambda fm, optimizer, base, *, steps, **kw: FeatureFLeRM(fm, optimizer, base, **kw),
         "static FLeRM, hidden tensors re-scaled to the base's feature movement (measured)",
+        recorder=GainRecorder,
+    ),
+    "feature_window30": Variant(
+        _window(0.3, cumulative=False, cls=FeatureWindowFLeRM),
+        "feature's hidden factors, rates matched at step 0 and over steps 10..30% of the budget",
+        {"beta": 0.0, "samples": 32},
         recorder=GainRecorder,
     ),
     "hidden_sqrt": Variant(
