@@ -111,6 +111,33 @@ HEADER = (
 )
 
 
+def compact(doc: Mapping[str, Any], variants: Sequence[str]) -> str:
+    """One table: per cell, FLeRM's, each variant's and muP's shift and ratio to re-tuned
+    standard training (``shift; ratio``), lowest ratio of the row in bold."""
+    labels = ["FLeRM", *variants, "muP"]
+    lines = [
+        "| cell | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
+    for name, d in doc.items():
+        std_best = d["main"]["modes"]["standard"].get("best_loss")
+        cells = []
+        for label in labels:
+            if label == "FLeRM":
+                e = d["main"]["modes"].get("flerm", {})
+            elif label == "muP":
+                e = d["main"]["modes"].get("mup", {})
+            else:
+                e = (d["variants"].get(label) or {"modes": {}})["modes"].get("flerm", {})
+            mean = e.get("at_tuned", {}).get("mean")
+            r = mean / std_best if mean is not None and std_best else None
+            cells.append((r, f"{_shift(e)}; {_fmt(r)}"))
+        best = min((r for r, _ in cells if r is not None), default=None)
+        shown = [f"**{t}**" if r is not None and r == best else t for r, t in cells]
+        lines.append(f"| {name} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
 def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
     """Bars per cell: loss at 8x at the base's best rate over re-tuned standard training's best
     loss at 8x, for FLeRM, each variant and muP (1: as good as re-tuning)."""
@@ -199,6 +226,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ntransfer matrix{label}, 1x -> 8x width, loss at 8x:\n{HEADER}")
         for name, d in doc.items():
             print(row(name, d["main"], d["variants"][variant] if variant else None))
+    if args.variant:
+        print(f"\n{compact(doc, args.variant)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
