@@ -194,6 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--json", type=Path, default=None, help="also write the read-outs here")
     p.add_argument("--plot", type=Path, default=None, help="also draw the ratios here")
+    p.add_argument("--cached", action="store_true", help="train nothing: print what is cached")
     args = p.parse_args(argv)
     if args.list:
         print("\n".join([*CELLS, *EXTRA_CELLS]))
@@ -208,8 +209,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = cells[name]
         t0 = time.perf_counter()
         main_out = adaptive_cell(
-            config, args.out / name, jobs=args.jobs, log=lambda s: print(s, flush=True)
+            config,
+            args.out / name,
+            jobs=args.jobs,
+            log=lambda s: print(s, flush=True),
+            train=not args.cached,
         )
+        if main_out["tuned"] is None:
+            continue
         doc[name] = {"main": main_out, "variants": {}}
         for variant in args.variant:
             doc[name]["variants"][variant] = adaptive_cell(
@@ -219,6 +226,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 tuned=main_out["tuned"],
                 jobs=args.jobs,
                 log=lambda s: print(s, flush=True),
+                train=not args.cached,
             )
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     for variant in [None, *args.variant]:

@@ -75,6 +75,7 @@ def run_specs(
     jobs: int = 1,
     threads: int | None = 1,
     log: Callable[[str], None] | None = None,
+    train: bool = True,
 ) -> dict[str, dict[str, Any]]:
     """Train the runs ``specs`` of ``config`` that are not cached in ``out``; return them all.
 
@@ -85,6 +86,7 @@ def run_specs(
 
     Args:
         log: called with one line when runs are to be trained.
+        train: ``False``: train nothing, return the cached runs only.
 
     Returns:
         run key -> result, for every spec (cached or trained now).
@@ -111,7 +113,7 @@ def run_specs(
         if not cache.has_record(lr, seed)
     ]
     pending = todo + [s for s in recordings if s.key not in keys]
-    if not pending:
+    if not pending or not train:
         return done
     if log is not None:
         log(f"{out}: {len(pending)} runs to train")
@@ -190,6 +192,7 @@ def adaptive_cell(
     task: Task | None = None,
     jobs: int = 1,
     log: Callable[[str], None] | None = None,
+    train: bool = True,
 ) -> dict[str, Any]:
     """Run (or resume) one cell of the matrix on the adaptive grid; return :func:`cell_summary`.
 
@@ -202,32 +205,40 @@ def adaptive_cell(
         task: the model family; default :func:`builtin_task` of ``config``.
         jobs: worker processes.
         log: called with a line per phase.
+        train: ``False``: read what is cached, train nothing (a cell not run reads as empty).
     """
     say = log or (lambda line: None)
     base, top, seeds = config.base_scale, config.scales[-1], config.seeds
     ks = range(seeds)
 
     def run(specs: list[RunSpec]) -> dict[str, dict[str, Any]]:
-        return run_specs(config, out, specs, task=task, jobs=jobs, log=say)
+        return run_specs(config, out, specs, task=task, jobs=jobs, log=say, train=train)
 
     runs: dict[str, dict[str, Any]] = {}
     if tuned is None:
         grid = list(config.lrs)
         while True:
-            runs.update(run([RunSpec("standard", base, lr, k) for lr in grid for k in ks]))
+            specs = [RunSpec("standard", base, lr, k) for lr in grid for k in ks]
+            got = run(specs)
+            runs.update(got)
             b, rates = best_rate(runs, "standard", base, seeds)
             nxt = _next_out(b, rates)
-            if nxt is None:
+            if nxt is None or not (train or any(s.key in got for s in specs)):
                 break
             grid = [nxt]
-        assert b is not None, "every base run diverged"
+        if b is None:
+            assert not train, "every base run diverged"
+            return {"tuned": None, "base_loss": None, "modes": {}}
         tuned = b
     else:
         # the base runs at b give FLeRM its records (and the read-out its base loss)
         runs.update(run([RunSpec("standard", base, tuned, k) for k in ks]))
     specs = [RunSpec(m, top, lr, k) for m in modes for lr in phase2_rates(tuned, m) for k in ks]
     while specs:
-        runs.update(run(specs))
+        got = run(specs)
+        runs.update(got)
+        if not (train or any(s.key in got for s in specs)):
+            break
         specs = []
         for m in modes:
             nxt = _next_out(*best_rate(runs, m, top, seeds))

@@ -421,10 +421,23 @@ class FeatureFLeRM(FLeRM):
 class FeatureWindowFLeRM(FeatureFLeRM, WindowFLeRM):
     """:class:`FeatureFLeRM`'s hidden-tensor factors on :class:`WindowFLeRM`'s rates: the
     step-0 set point and the window's re-match both match output movement, then each hidden
-    tensor's ratio is multiplied by its factor (measured once, after the step-0 set point)."""
+    tensor's ratio is multiplied by its factor (measured once, after the step-0 set point).
+
+    Args:
+        hidden_only: re-match only the hidden tensors in the window (the others keep their
+            step-0 rates): on the ResMLP the window raises the readout's rate, which costs
+            loss there (``benchmarks/transfer_boost.py``), while the hidden tensors' drift is
+            what the conv nets' loss follows.
+        *args, **kwargs: :class:`WindowFLeRM`'s.
+    """
+
+    def __init__(self, *args: Any, hidden_only: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hidden_only = hidden_only
 
     def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
-        return {n: r * self.factors.get(n, 1.0) for n, r in ratios.items()}
+        keep = set(self.hidden) if self.hidden_only else set(ratios)
+        return {n: r * self.factors.get(n, 1.0) for n, r in ratios.items() if n in keep}
 
 
 @dataclass(frozen=True)
@@ -452,6 +465,7 @@ def _window(
     cumulative: bool,
     alpha: float | None = None,
     cls: type[WindowFLeRM] = WindowFLeRM,
+    **options: Any,
 ) -> Callable[..., WindowFLeRM]:
     def make(
         fm: FSLRModule,
@@ -474,6 +488,7 @@ def _window(
             cumulative=cumulative,
             every=every,
             policy=policy,
+            **options,
             **kwargs,
         )
 
@@ -521,6 +536,12 @@ VARIANTS: dict[str, Variant] = {
     "feature_window30": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM),
         "feature's hidden factors, rates matched at step 0 and over steps 10..30% of the budget",
+        {"beta": 0.0, "samples": 32},
+        recorder=GainRecorder,
+    ),
+    "feature_window30h": Variant(
+        _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True),
+        "feature_window30, the window re-matching the hidden tensors only",
         {"beta": 0.0, "samples": 32},
         recorder=GainRecorder,
     ),
