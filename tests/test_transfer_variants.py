@@ -144,3 +144,35 @@ def test_feature_variant_rescales_only_hidden_tensors_by_the_measured_gain(tmp_p
         hidden = name.startswith("blocks") and name.endswith("weight")
         ratio = b["final_lrs"][name] / lr
         assert (ratio != pytest.approx(1.0)) if hidden else ratio == pytest.approx(1.0), name
+
+
+def test_feature_window_hidden_only_rematches_hidden_tensors_only(tmp_path):
+    common = dict(
+        width=4,
+        depth=2,
+        scales=(1, 8),
+        lrs=(0.01,),
+        steps=12,
+        last=1,
+        seeds=1,
+        num_samples=500,
+        batch_size=16,
+        samples=4,
+        warmup_samples=4,
+        every=2,
+        modes=("flerm",),
+    )
+    runs = {}
+    for v in ("feature_window30", "feature_window30h"):
+        res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
+        runs[v] = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
+        assert runs[v]["set_points"] == [0, 2]  # window (2, 0.3 * 12 rounded down to 2)
+    a, b = runs["feature_window30"], runs["feature_window30h"]
+    assert a["lrs"] == b["lrs"]
+    for name in a["lrs"]:
+        hidden = name.startswith("blocks") and name.endswith("weight")
+        assert b["final_lrs"][name] == pytest.approx(
+            a["final_lrs"][name] if hidden else a["lrs"][name]
+        )
+        if not hidden:
+            assert a["final_lrs"][name] != pytest.approx(a["lrs"][name])  # re-matched
