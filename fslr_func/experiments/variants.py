@@ -84,6 +84,7 @@ import torch
 from .. import policies
 from ..flerm import FLeRM, SetPoint
 from ..functional import Inputs
+from ..names import block_role
 from ..record import FSLRRecord
 from ..recorder import Recorder
 from ..transform import FSLRModule
@@ -96,6 +97,7 @@ __all__ = [
     "Variant",
     "WindowFLeRM",
     "feature_gains",
+    "hidden_fan_in",
     "window_ratios",
 ]
 
@@ -223,6 +225,34 @@ class WindowFLeRM(FLeRM):
         )
 
 
+def hidden_fan_in(
+    model: torch.nn.Module, base_shapes: Mapping[str, Sequence[int]]
+) -> dict[str, float]:
+    """The *hidden* tensors of ``model`` and their fan-in multipliers: tensors of rank 2 or more
+    whose dims 0 and 1 (fan-out, fan-in) both differ from the base's (muP's two infinite
+    dimensions); a tensor the base lacks (an extra block) is compared with its role in the base
+    (:func:`fslr_func.names.block_role`), as :func:`~fslr_func.experiments.mup.width_mults`
+    does.
+
+    Example:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 64))
+        >>> hidden_fan_in(net, {"0.weight": (16, 4), "0.bias": (16,), "1.weight": (16, 16),
+        ...                     "1.bias": (16,)})
+        {'1.weight': 4.0}
+    """
+    roles: dict[str, tuple[int, ...]] = {}
+    for name, shape in base_shapes.items():
+        roles.setdefault(block_role(name), tuple(shape))
+    out: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        ref = tuple(base_shapes[name]) if name in base_shapes else roles.get(block_role(name))
+        if ref is None or p.dim() < 2 or len(ref) != p.dim():
+            continue
+        if p.shape[0] != ref[0] and p.shape[1] != ref[1]:
+            out[name] = p.shape[1] / ref[1]
+    return out
+
+
 class HiddenWidthPolicy:
     r"""A policy: ``inner``'s targets, hidden tensors' times :math:`m_\text{in}^\alpha`.
 
@@ -230,7 +260,7 @@ class HiddenWidthPolicy:
         model: the scaled model (its ``named_parameters()`` names are the policy's).
         base_shapes: the base model's, by name (``FSLRRecord.shapes``); extra blocks of a
             deeper model are compared with their role in the base
-            (:func:`~fslr_func.experiments.mup.width_mults`).
+            (:func:`hidden_fan_in`).
         alpha: the exponent (1/2: keep the features' movement in the standard
             parametrisation; 0: ``inner`` itself).
         inner: the policy mapping base FSLRs to the scaled tensors (default identity).
@@ -259,17 +289,10 @@ class HiddenWidthPolicy:
         alpha: float = 0.5,
         inner: policies.PolicySpec = "identity",
     ) -> None:
-        from .mup import width_mults
-
         self.inner = policies.resolve(inner)
         self.one_to_one = policies.is_one_to_one(self.inner)
         self.alpha = float(alpha)
-        mults = width_mults(model, {k: tuple(v) for k, v in base_shapes.items()})
-        self.factors = {
-            n: m[1] ** self.alpha
-            for n, m in mults.items()
-            if len(m) >= 2 and m[0] is not None and m[1] is not None
-        }
+        self.factors = {n: m**self.alpha for n, m in hidden_fan_in(model, base_shapes).items()}
         self.__name__ = f"hidden_width(alpha={self.alpha:g})"
 
     def __call__(self, base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
@@ -390,12 +413,7 @@ class FeatureFLeRM(FLeRM):
         super().__init__(
             fm, optimizer, base, probe_batches=itertools.chain([self._gain_inputs], it), **kwargs
         )
-        from .mup import width_mults
-
-        mults = width_mults(fm.module, {k: tuple(v) for k, v in base.shapes.items()})
-        self.hidden = [
-            n for n, m in mults.items() if len(m) >= 2 and m[0] is not None and m[1] is not None
-        ]
+        self.hidden = list(hidden_fan_in(fm.module, base.shapes))
         gain = base.meta.get("feature_gain")
         if isinstance(gain, list):  # a seed mean keeps the first record's meta
             gain = gain[0]
