@@ -69,6 +69,8 @@ CELLS: dict[str, SweepConfig] = {
 #: Cells defined but left out of the default run for its cost on 2 cores (``--cells`` runs them).
 EXTRA_CELLS: dict[str, SweepConfig] = {
     "conv1d-w16-s600": _cell("resconv", 600, 2),
+    # the transformer cell with the 3 seeds of the PreNorm sweep above (benchmarks/transfer.py)
+    "transformer-d16-s150-3seeds": _cell("transformer", 150, 3, width=16, lrs=octaves(-10, -3)),
 }
 
 
