@@ -167,7 +167,7 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
             cell = doc[n]["main"] if key is None else doc[n]["variants"].get(key)
             vals.append(ratio(cell, mode) if cell else math.nan)
         series.append((label, vals))
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) * (len(series) + 1) / 3 + 1.5))
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(names) + 1.5))
     h = 0.8 / len(series)
     for i, (label, vals) in enumerate(series):
         ax.barh([k + i * h for k in range(len(names))], vals, height=h, label=label)
