@@ -154,7 +154,8 @@ def best_rate(
     sorted rates run; ``None`` if none converged.
 
     Example:
-        >>> runs = {RunSpec("standard", 1.0, lr, 0).key: {"loss": loss}
+        >>> runs = {RunSpec("standard", 1.0, lr, 0).key:
+        ...         {"mode": "standard", "scale": 1.0, "lr": lr, "loss": loss}
         ...         for lr, loss in [(0.25, 2.0), (0.5, 1.0), (1.0, None)]}
         >>> best_rate(runs, "standard", 1.0, 1)
         (0.5, [0.25, 0.5, 1.0])
