@@ -8,12 +8,13 @@ first step: :math:`m/\sqrt v = g/|g|`), against the base run's first update:
 
     r_W = \frac{\mathrm{FSLR}^\text{base}_W(0)}{\mathrm{FSLR}_W(0)}, \qquad \eta_W = \eta_0 r_W .
 
-The sign of a gradient summed over a batch is far more aligned with the layer's inputs than
-later Adam updates (a moving average of noisy gradients over their RMS): the unit-rate FSLR of
-every tensor falls to 6-30% of its step-0 value within ten steps (docs/reproduction.md, "Why
-FLeRM under-sets width rates"), and it falls further in a wider layer, whose inputs' sum over
-more units makes the first step's alignment count more. So :math:`r_W` read at step 0 is too
-small for the rest of training wherever that fall depends on width.
+The sign of a gradient summed over a batch moves the function more per unit rate than later
+Adam updates (a moving average of noisy gradients over their RMS): on the ResMLP and the conv
+nets of the transfer matrix most tensors' unit-rate FSLR falls to 4-45% of its step-0 value
+in steps 10-40, and for some (the readout; the conv net's input, hidden and readout weights)
+by a different fraction at 8x than at 1x (docs/reproduction.md, "Why FLeRM under-sets width
+rates"). Where it falls further at 8x, :math:`r_W` read at step 0 is too small for the rest
+of training.
 
 :class:`WindowFLeRM` keeps the step-0 set point and then matches the function-space movement
 accumulated over a window of later steps: with unit-rate FSLRs probed every ``every`` steps
