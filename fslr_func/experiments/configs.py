@@ -35,13 +35,16 @@ from typing import Any
 
 from fslr_func.experiments.models import NormType
 from fslr_func.experiments.train import OPTIMIZERS, SCHEDULES
+from fslr_func.experiments.variants import VARIANTS
 from fslr_func.probe.options import STRATEGIES, Strategy
 from fslr_func.training.flerm import Mode
 from fslr_func.training.policies import POLICIES
 
 __all__ = [
     "AXES",
+    "CONV_MODELS",
     "DATA",
+    "DATA_SEEDS",
     "DEMO",
     "DEPTH_AXES",
     "FLERM_INITS",
@@ -66,10 +69,21 @@ DEPTH_AXES = ("depth", "width_depth")
 """Axes that change the number of blocks (FLeRM's default policy there: ``share_blocks``)."""
 FLERM_INITS = ("standard", "mup")
 """Initialisations of FLeRM's models (:attr:`SweepConfig.flerm_init`)."""
-MODELS = ("resmlp", "transformer")
-"""Built-in model families."""
-DATA: dict[str, tuple[str, ...]] = {"resmlp": ("mnist1d", "digits"), "transformer": ("text",)}
+MODELS = ("resmlp", "transformer", "resconv", "resconv_bn")
+"""Built-in model families: the paper's ResMLP and transformer, and residual conv nets
+(:class:`~fslr_func.experiments.models.ResConvNet`, width = channels) without and with
+BatchNorm, 1-D on ``mnist1d``, 2-D (8x8) on ``digits`` and ``digits_aug``."""
+CONV_MODELS = ("resconv", "resconv_bn")
+"""Models whose width is a number of conv channels."""
+DATA: dict[str, tuple[str, ...]] = {
+    "resmlp": ("mnist1d", "digits", "digits_aug"),
+    "transformer": ("text",),
+    "resconv": ("mnist1d", "digits", "digits_aug"),
+    "resconv_bn": ("mnist1d", "digits", "digits_aug"),
+}
 """Data sets each built-in model can train on."""
+DATA_SEEDS: dict[str, int] = {"mnist1d": 42, "digits_aug": 0}
+"""Data sets generated from a seed (:attr:`SweepConfig.data_seed`), with their default seed."""
 MODES = ("standard", "mup", "flerm")
 """Training modes compared by a sweep."""
 NORMS = ("prenorm", "postnorm", "prenormpostmod")
@@ -124,6 +138,15 @@ def model_defaults(model: str) -> dict[str, Any]:
             "seq_len": 64,
             "lrs": octaves(-12, -4),
         }
+    if model in CONV_MODELS:
+        return {
+            "model": model,
+            "data": "mnist1d",
+            "width": 16,
+            "depth": 4,
+            "batch_size": 128,
+            "lrs": octaves(-12, -3),
+        }
     return {
         "data": "mnist1d",
         "width": 32,
@@ -138,7 +161,9 @@ class SweepConfig:
     """A learning-rate transfer sweep: models, data, budget, grid and FSLR settings.
 
     Attributes:
-        model: ``"resmlp"`` (paper Appendix A.1) or ``"transformer"`` (A.2).
+        model: ``"resmlp"`` (paper Appendix A.1), ``"transformer"`` (A.2), ``"resconv"`` or
+            ``"resconv_bn"`` (a residual conv net without or with BatchNorm, 1-D on
+            ``mnist1d``, 2-D on 8x8 images: :class:`~fslr_func.experiments.models.ResConvNet`).
         axis: ``"width"``, ``"depth"``, ``"width_depth"`` (both by the same multiplier) or
             ``"init_scale"``.
         scales: multipliers of the base model along ``axis``; the smallest is the base.
@@ -146,11 +171,14 @@ class SweepConfig:
         lrs: learning rates (the base model's ``lr_0`` in FLeRM and muP modes).
         steps: optimiser steps per run.
         seeds: seeds per (mode, scale, lr); base records are averaged over them (paper: 8).
-        data: ``"mnist1d"`` or ``"digits"`` (ResMLP), ``"text"`` (transformer: Python's own
-            documentation, bytes).
+        data: ``"mnist1d"``, ``"digits"`` or ``"digits_aug"`` (ResMLP and conv nets;
+            :func:`~fslr_func.experiments.data.digits_aug`: shifted, noised digits),
+            ``"text"`` (transformer: Python's own documentation, bytes).
+        data_seed: the generation seed of ``mnist1d`` or ``digits_aug`` (another data set of
+            the same kind); ``None``: the data set's default (:data:`DATA_SEEDS`).
         batch_size: training (and probe) batch size.
         width: base width: the ResMLP hidden dimension, the transformer's ``d_model``
-            (``d_ff = 4 * width``, 16-dimensional heads).
+            (``d_ff = 4 * width``, 16-dimensional heads), the conv nets' channels.
         depth: base number of residual blocks.
         init_scale: base initialisation scale of the block weights.
         num_samples: size of the generated MNIST-1D data set (train + test).
@@ -174,6 +202,8 @@ class SweepConfig:
         flerm_mode: ``"static"`` (the paper's main results: rates set once, at step 0, after
             the EMA warm-up) or ``"periodic"`` (and again every ``every`` steps, matching the
             base record over time).
+        flerm_variant: a FLeRM variant of :data:`fslr_func.experiments.variants.VARIANTS`
+            for the FLeRM runs (prototypes measured on the transfer matrix); ``None``: FLeRM.
         modes: which of ``"standard"``, ``"mup"`` and ``"flerm"`` to run.
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"`` (momentum 0.9), ``"signsgd"``,
             ``"adagrad"`` or ``"adamax"`` (:func:`~fslr_func.experiments.train.make_optimizer`).
@@ -193,6 +223,7 @@ class SweepConfig:
     steps: int = 150
     seeds: int = 2
     data: str = "mnist1d"
+    data_seed: int | None = None
     batch_size: int = 128
     width: int = 32
     depth: int = 4
@@ -207,6 +238,7 @@ class SweepConfig:
     flerm_policy: str | None = None
     flerm_init: str = "standard"
     flerm_mode: Mode = "static"
+    flerm_variant: str | None = None
     modes: tuple[str, ...] = MODES
     strategy: Strategy = "vmap"
     optimizer: str = "adam"
@@ -249,7 +281,8 @@ class SweepConfig:
             'transformer-postnorm/text'
         """
         norm = "" if self.norm == "prenorm" else f"-{self.norm}"
-        return f"{self.model}{norm}/{self.data}"
+        seed = "" if self.data_seed is None else f"-seed{self.data_seed}"
+        return f"{self.model}{norm}/{self.data}{seed}"
 
     @property
     def train_size(self) -> int | None:
@@ -263,6 +296,8 @@ class SweepConfig:
             return 1438
         if self.data == "mnist1d":
             return int(self.num_samples // 10 * 10 * 0.8)
+        if self.data == "digits_aug":
+            return int(self.num_samples * 0.8)
         return None
 
     @property
@@ -406,6 +441,11 @@ class SweepConfig:
             "flerm_mode",
             f"must be 'static' or 'periodic', got {self.flerm_mode!r}",
         )
+        need(
+            self.flerm_variant is None or self.flerm_variant in VARIANTS,
+            "flerm_variant",
+            f"must be one of {', '.join(VARIANTS)}, got {self.flerm_variant!r}",
+        )
         need(bool(self.modes), "modes", f"must include one of {', '.join(MODES)}")
         need(
             self.optimizer in OPTIMIZERS,
@@ -434,6 +474,11 @@ class SweepConfig:
         for name, unit, units in scaled:
             bad = [s for s in self.scales if abs(unit * s - round(unit * s)) > 1e-9]
             need(not bad, "scales", f"{name} {unit} times {bad} is not a whole number of {units}")
+        need(
+            self.data_seed is None or self.data in DATA_SEEDS,
+            "data_seed",
+            f"only {' and '.join(DATA_SEEDS)} are generated from a seed, got data {self.data!r}",
+        )
         need(
             self.model == "transformer" or self.norm == "prenorm",
             "norm",
@@ -483,9 +528,10 @@ class SweepConfig:
         """Hash of the fields that change what one run computes (not the grid: scales, lrs,
         seeds, modes), plus ``extra``; cached runs with another fingerprint are re-run.
 
-        ``norm``, ``flerm_policy`` and ``flerm_init`` enter only when they are not their
-        defaults (``"prenorm"``, ``None``, ``"standard"``), so sweeps cached before those fields
-        existed keep their fingerprints.
+        ``norm``, ``flerm_policy``, ``flerm_init``, ``data_seed`` and ``flerm_variant`` enter
+        only when they are not their defaults (``"prenorm"``, ``None``, ``"standard"``,
+        ``None``, ``None``), so sweeps
+        cached before those fields existed keep their fingerprints.
 
         Examples:
             >>> a, b = SweepConfig(lrs=(0.1,)), SweepConfig(lrs=(0.1, 0.2), seeds=5)
@@ -505,6 +551,10 @@ class SweepConfig:
             del d["flerm_policy"]
         if d["flerm_init"] == "standard":
             del d["flerm_init"]
+        if d["data_seed"] is None:
+            del d["data_seed"]
+        if d["flerm_variant"] is None:
+            del d["flerm_variant"]
         if extra:
             d["extra"] = dict(extra)
         text = json.dumps(d, sort_keys=True, default=repr)

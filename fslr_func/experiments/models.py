@@ -1,10 +1,12 @@
 """Reference models of the paper's experiments (Appendix A, "Model Details").
 
-Two families, both built so that their behaviour *at initialisation* is invariant to width and
+Three families, all built so that their behaviour *at initialisation* is invariant to width and
 depth (Kaiming init plus a ``1/sqrt(L)`` residual factor); FLeRM is what makes them invariant
 *during training*.
 
 - :class:`ResMLP`: input linear -> ``depth`` residual blocks of one linear layer each -> readout.
+- :class:`ResConvNet`: input convolution -> ``depth`` residual blocks of one convolution each
+  (optionally BatchNorm-ed) -> global average pool -> readout; 1-D or 2-D, width = channels.
 - :class:`Transformer`: decoder-only, QK layer norm, non-affine layer norms, three norm
   placements (PostNorm, PreNorm, PreNormPostMod).
 
@@ -23,7 +25,15 @@ from torch import Tensor, nn
 
 from fslr_func.probe.names import BLOCK_PATTERN, block_index, compile_block_pattern
 
-__all__ = ["BLOCK_RE", "ResMLP", "Transformer", "block_index", "kaiming_normal_"]
+__all__ = [
+    "BLOCK_RE",
+    "ConvBlock",
+    "ResConvNet",
+    "ResMLP",
+    "Transformer",
+    "block_index",
+    "kaiming_normal_",
+]
 
 BLOCK_RE = compile_block_pattern(BLOCK_PATTERN)
 """Finds the residual-block index in a parameter name, e.g. ``blocks.3.linear.weight`` -> 3."""
@@ -130,6 +140,109 @@ class ResMLP(nn.Module):
         for block in self.blocks:
             h = block(h)
         return h
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.readout(self.features(x))
+
+
+def _conv(
+    dims: int, fan_in: int, fan_out: int, kernel: int, gain: float, scale: float, stride: int = 1
+) -> nn.Conv1d | nn.Conv2d:
+    r"""A ``dims``-D convolution, "same" padding, Kaiming-normal weight over its true fan-in
+    :math:`c_\text{in} k^{d}` (variance ``gain / fan_in`` times ``scale**2``), zero bias."""
+    cls = nn.Conv1d if dims == 1 else nn.Conv2d
+    conv = cls(fan_in, fan_out, kernel, stride=stride, padding=kernel // 2)
+    with torch.no_grad():
+        fan = fan_in * kernel**dims
+        conv.weight.normal_(0.0, scale * math.sqrt(gain / fan))
+        assert conv.bias is not None
+        conv.bias.zero_()
+    return conv
+
+
+class ConvBlock(nn.Module):
+    """One residual conv block: ``x + conv(relu(x))``, or ``x + conv(relu(bn(x)))`` with
+    ``batchnorm`` (pre-activation, affine BatchNorm). The conv is ReLU-fed (gain 2)."""
+
+    def __init__(self, dims: int, width: int, kernel: int, scale: float, batchnorm: bool) -> None:
+        super().__init__()
+        self.norm: nn.Module = (
+            (nn.BatchNorm1d if dims == 1 else nn.BatchNorm2d)(width) if batchnorm else nn.Identity()
+        )
+        self.conv = _conv(dims, width, width, kernel, gain=2.0, scale=scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.conv(F.relu(self.norm(x)))
+
+
+class ResConvNet(nn.Module):
+    r"""Residual convolutional net, width = channels, 1-D or 2-D, with or without BatchNorm.
+
+    ``h = conv_in(x)`` (stride ``stride``); ``depth`` times ``h = h + conv_l(relu(bn_l(h)))``
+    (``bn_l`` the identity without ``batchnorm``); ``out = readout(mean over positions of h)``.
+    Every weight is Kaiming-normal over its fan-in :math:`c_\text{in} k^{d}` (a conv's fan-in
+    counts its kernel, which is what muP's width multiplier reads: only the channel dims grow),
+    block convolutions with variance ``2 / fan_in`` times ``1 / depth`` times ``init_scale**2``
+    (the ResMLP's convention), biases zero. Inputs arrive flat, ``(N, prod(in_shape))``, as the
+    built-in data sets store them, and are viewed as ``(N, *in_shape)``.
+
+    Args:
+        in_shape: ``(channels, length)`` (1-D) or ``(channels, height, width)`` (2-D).
+        num_classes: number of outputs.
+        width: channels of the residual stream.
+        depth: number of residual blocks.
+        init_scale: multiplies the standard deviation of the block weights at init.
+        batchnorm: a BatchNorm (affine, batch statistics in training) before each block's ReLU.
+        kernel: kernel size of every convolution (odd).
+        stride: stride of the input convolution (2 halves the 1-D length, a cheaper net).
+
+    Parameter names: ``input.weight``, ``blocks.{i}.conv.weight``, ``blocks.{i}.norm.weight``
+    (with ``batchnorm``), ``readout.weight`` (and the ``.bias`` of each).
+
+    Examples:
+        >>> net = ResConvNet((1, 40), 10, width=8, depth=2, stride=2)
+        >>> net(torch.randn(5, 40)).shape, net.blocks[0].conv.weight.shape
+        (torch.Size([5, 10]), torch.Size([8, 8, 3]))
+        >>> net2 = ResConvNet((1, 8, 8), 10, width=8, depth=2, batchnorm=True)
+        >>> [n for n, _ in net2.named_parameters()][2:6]
+        ['blocks.0.norm.weight', 'blocks.0.norm.bias', 'blocks.0.conv.weight', 'blocks.0.conv.bias']
+    """
+
+    def __init__(
+        self,
+        in_shape: tuple[int, ...],
+        num_classes: int,
+        width: int = 32,
+        depth: int = 4,
+        init_scale: float = 1.0,
+        batchnorm: bool = False,
+        kernel: int = 3,
+        stride: int = 1,
+    ) -> None:
+        super().__init__()
+        if len(in_shape) not in (2, 3):
+            raise ValueError(f"in_shape must be (C, L) or (C, H, W), got {in_shape}")
+        if depth < 1:
+            raise ValueError(f"depth must be >= 1, got {depth}")
+        if kernel % 2 != 1:
+            raise ValueError(f"kernel must be odd, got {kernel}")
+        dims = len(in_shape) - 1
+        self.in_shape = tuple(in_shape)
+        self.width = width
+        self.depth = depth
+        self.input = _conv(dims, in_shape[0], width, kernel, gain=1.0, scale=1.0, stride=stride)
+        self.blocks = nn.ModuleList(
+            ConvBlock(dims, width, kernel, init_scale / math.sqrt(depth), batchnorm)
+            for _ in range(depth)
+        )
+        self.readout = _Linear(width, num_classes)
+
+    def features(self, x: Tensor) -> Tensor:
+        """Residual stream after the last block, averaged over positions."""
+        h = self.input(x.reshape(x.shape[0], *self.in_shape))
+        for block in self.blocks:
+            h = block(h)
+        return h.flatten(2).mean(2)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.readout(self.features(x))
@@ -290,12 +403,16 @@ class Transformer(nn.Module):
         self.final_norm = _layer_norm(d_model, affine)
         self.readout = _Linear(d_model, vocab_size)
 
-    def forward(self, tokens: Tensor) -> Tensor:
-        """Logits ``(batch, seq, vocab)`` for integer ``tokens`` of shape ``(batch, seq)``."""
+    def features(self, tokens: Tensor) -> Tensor:
+        """The readout's input ``(batch, seq, d_model)``: the final norm of the residual stream."""
         t = tokens.shape[-1]
         if t > self.seq_len:
             raise ValueError(f"sequence length {t} exceeds the model's seq_len={self.seq_len}")
         x = self.embed(tokens) + self.pos(torch.arange(t, device=tokens.device))
         for block in self.blocks:
             x = block(x)
-        return self.readout(self.final_norm(x))
+        return self.final_norm(x)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits ``(batch, seq, vocab)`` for integer ``tokens`` of shape ``(batch, seq)``."""
+        return self.readout(self.features(tokens))

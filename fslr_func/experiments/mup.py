@@ -20,8 +20,10 @@ infinite dimension of a tensor:
 - **Readout** (a linear layer with a finite fan-out and an infinite fan-in, like the package's
   ``MuReadout``): its weight and bias are multiplied by :math:`\sqrt{m}` at initialisation and
   its input by :math:`1 / m` in every forward pass (the package's default ``output_mult=1``).
-- **Other linear layers**: the bias is multiplied by :math:`\sqrt{m_\text{in}}` (the weight
-  keeps its fan-in initialisation).
+- **Other linear layers and convolutions**: the bias is multiplied by
+  :math:`\sqrt{m_\text{in}}` (the weight keeps its fan-in initialisation); a convolution's
+  :math:`m_\text{in}` is its input channels' multiplier (its kernel dims are finite), as the
+  package's ``rescale_linear_bias`` reads it for ``nn.Conv*d``.
 - **Adam-like optimisers** (Adam, AdamW, Adamax, Adagrad, RMSprop, sign-SGD: entrywise
   normalised updates): a tensor with two infinite dimensions (a hidden matrix) gets
   :math:`\eta / m_\text{in}` and weight decay :math:`\lambda \, m_\text{in}`; every other
@@ -238,7 +240,7 @@ def apply_mup(
     heads = readouts(model, base)
     mults = width_mults(model, base)
     for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear):
+        if not isinstance(module, (nn.Linear, nn.modules.conv._ConvNd)):
             continue
         if name in heads:
             m = heads[name]

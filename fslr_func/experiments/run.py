@@ -31,6 +31,7 @@ from .configs import MODES, SweepConfig, lr_key, scale_key
 from .mup import apply_mup, base_shapes, mup_init_task
 from .task import Task
 from .train import AroundStep, OnStep, last_mean, make_optimizer, make_schedule, train
+from .variants import VARIANTS
 
 __all__ = ["RUN_FORMAT", "RunSpec", "execute", "grid"]
 
@@ -173,12 +174,17 @@ def execute(
             model, shapes, spec.lr, weight_decay=config.weight_decay, optimizer=config.optimizer
         )
         mup_lrs = {g["name"]: g["lr"] for g in params}
+    variant = None if config.flerm_variant is None else VARIANTS[config.flerm_variant]
+    # a variant's probe options apply to its FLeRM runs and to the base runs it records
+    probe: dict[str, Any] = {"samples": config.samples}
+    if variant is not None and (spec.mode == "flerm" or record):
+        probe.update(variant.probe)
     fm = with_fslr(
         model,
-        samples=config.samples,
         seed=spec.seed,
         output_fn=task.output_fn,
         strategy=config.strategy,
+        **probe,
     )
     opt = make_optimizer(config.optimizer, params, spec.lr, config.weight_decay)
     sched = make_schedule(opt, config.schedule, config.steps)
@@ -186,10 +192,12 @@ def execute(
     probes = task.probe_batches(spec.seed)
     around: AroundStep | None = None
     recorder: Recorder | None = None
-    flerm: FLeRM | None = None
+    flerm: Any = None
     if spec.mode == "flerm":
         assert base is not None
-        flerm = FLeRM(
+        extra: dict[str, Any] = {} if variant is None else {"steps": config.steps}
+        make = FLeRM if variant is None else variant.make
+        flerm = make(
             fm,
             opt,
             base,
@@ -199,11 +207,15 @@ def execute(
             every=config.every,
             warmup_samples=config.warmup_samples,
             scheduler=sched,
+            **extra,
         )
         ctl = flerm
         around = lambda t: ctl.step()  # noqa: E731
     elif record:
-        recorder = Recorder(
+        make_recorder = (
+            Recorder if variant is None or variant.recorder is None else variant.recorder
+        )
+        recorder = make_recorder(
             fm,
             probes,
             warmup_samples=config.warmup_samples,
@@ -247,5 +259,6 @@ def execute(
             "targets": point.targets,
             "held": list(point.held),
             "set_points": [p.step for p in flerm.history],
+            "final_lrs": flerm.lrs(),
         }
     return result, None if recorder is None else recorder.record

@@ -29,9 +29,9 @@ from torch import Tensor, nn
 
 from ..probe.functional import Inputs, OutputFn
 from ..training.policies import Policy
-from .configs import ConfigError, SweepConfig
-from .data import batches, digits, lm_batches, mnist1d, pydoc_text, split_bytes
-from .models import ResMLP, Transformer
+from .configs import CONV_MODELS, DATA_SEEDS, ConfigError, SweepConfig
+from .data import Split, batches, digits, digits_aug, lm_batches, mnist1d, pydoc_text, split_bytes
+from .models import ResConvNet, ResMLP, Transformer
 from .train import LossFn, lm_loss
 
 __all__ = ["Batches", "Task", "builtin_task"]
@@ -80,6 +80,30 @@ def _build_resmlp(
     return ResMLP(in_features, classes, **config.model_kwargs(scale))
 
 
+def _build_resconv(config: SweepConfig, classes: int, scale: float, seed: int) -> nn.Module:
+    kw = config.model_kwargs(scale)
+    one_d = config.data == "mnist1d"
+    return ResConvNet(
+        (1, 40) if one_d else (1, 8, 8),
+        classes,
+        batchnorm=config.model == "resconv_bn",
+        stride=2 if one_d else 1,
+        **kw,
+    )
+
+
+def _split(config: SweepConfig) -> Split:
+    """The classification data set of ``config`` (generated or loaded here)."""
+    seed = DATA_SEEDS.get(config.data) if config.data_seed is None else config.data_seed
+    if config.data == "mnist1d":
+        assert seed is not None
+        return mnist1d(num_samples=config.num_samples, seed=seed)
+    if config.data == "digits_aug":
+        assert seed is not None
+        return digits_aug(num_samples=config.num_samples, seed=seed)
+    return digits()
+
+
 def _build_transformer(config: SweepConfig, scale: float, seed: int) -> nn.Module:
     kw = config.model_kwargs(scale)
     return Transformer(
@@ -119,8 +143,10 @@ def _evaluate(inputs: Tensor, target: Tensor, loss_fn: LossFn, model: nn.Module)
 def builtin_task(config: SweepConfig) -> Task:
     """The :class:`Task` of a built-in config: its model family on its data (loaded here).
 
-    ResMLP on ``mnist1d`` (generated locally, ``config.num_samples`` samples) or ``digits``;
-    the transformer on Python's documentation as bytes (``text``). ``evaluate`` is the loss on
+    ResMLP on ``mnist1d`` (generated locally, ``config.num_samples`` samples), ``digits`` or
+    ``digits_aug``; the conv nets on the same (1-D on ``mnist1d``, its 40 positions halved by a
+    stride-2 input convolution; 2-D on the 8x8 digits); the transformer on Python's
+    documentation as bytes (``text``). ``evaluate`` is the loss on
     the held-out split; ``policy`` is the config's FLeRM policy (:attr:`SweepConfig.policy`).
     Picklable, so it can be sent to worker processes.
 
@@ -145,14 +171,17 @@ def builtin_task(config: SweepConfig) -> Task:
         train_batches = functools.partial(lm_batches, train_bytes, bs, config.seq_len)
         loss_fn = lm_loss
     else:
-        split = mnist1d(num_samples=config.num_samples) if config.data == "mnist1d" else digits()
+        split = _split(config)
         x, y = split.x_train, split.y_train
         if bs > len(y):  # pragma: no cover - validate() checks it from the data set's known size
             raise ConfigError(
                 "batch_size", f"must be at most the {len(y)} training samples, got {bs}"
             )
         x_test, y_test = split.x_test, split.y_test
-        build = functools.partial(_build_resmlp, config, split.in_features, split.num_classes)
+        if config.model in CONV_MODELS:
+            build = functools.partial(_build_resconv, config, split.num_classes)
+        else:
+            build = functools.partial(_build_resmlp, config, split.in_features, split.num_classes)
         train_batches = functools.partial(batches, x, y, bs)
         loss_fn = F.cross_entropy
     return Task(

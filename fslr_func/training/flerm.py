@@ -271,7 +271,7 @@ class FLeRM(StepController):
         if names != self.names:
             self.names = names + [n for n in self.names if n not in names]
 
-    def _rates_at(self, step: int) -> Rates:
+    def _rates_at(self, step: int, *, stepping: bool = True) -> Rates:
         r"""Per tensor: its group's rate :math:`\eta_g` at ``step`` and FLeRM's rate
         :math:`\eta_W = \eta_0 \, \mathrm{sched}(t) \, r_W` (the group's for a tensor without a
         ratio yet, or in a group at rate 0, which has no update to scale). With the run's own
@@ -279,7 +279,8 @@ class FLeRM(StepController):
         record's ratio."""
         base_ratio = None
         if self.scheduler is None:
-            self.targets.covers(step, "the base schedule at step")
+            if stepping:  # a step is taken at these rates (not a query of lrs())
+                self.targets.covers(step, "the base schedule at step")
             base_ratio = self.base.schedule_at(step)
         driven = set(self.names)
         out: Rates = {}
@@ -296,7 +297,7 @@ class FLeRM(StepController):
 
     def lrs(self) -> dict[str, float]:
         """Learning rate of each tensor at the next step (``t``), FLeRM and schedule applied."""
-        rates = self._rates_at(self.t)
+        rates = self._rates_at(self.t, stepping=False)
         return {n: rates[n][1] for n in self.names if n in rates}
 
     # ------------------------------------------------------------------ the step

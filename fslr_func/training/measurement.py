@@ -31,6 +31,7 @@ from ..probe.functional import is_dtensor
 from ..probe.names import short_list
 from ..stats.estimator import EMA, fslr_from_log
 from .rates import ScaledSince, group_rates, rates_in_force
+from .update_scaling import Snapshots
 
 __all__ = ["Measurement", "Reading", "Row", "read_estimates"]
 
@@ -40,7 +41,8 @@ class Measurement:
     """One measured optimiser step, filled in when the ``measure`` block exits.
 
     Attributes:
-        before: the trainable tensors before the step (name -> clone).
+        before: the trainable tensors before the step (name -> copy; the wrapper's copies are
+            buffers it refills at its next measured step).
         lrs: the learning rate each tensor's update was taken at (its group's, times FLeRM's
             factor where FLeRM scaled the update inside the block).
         delta: the unit-learning-rate updates, ``(after - before) / lr``.
@@ -67,10 +69,14 @@ class Measurement:
 
     @classmethod
     def before_step(
-        cls, module: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+        cls,
+        module: nn.Module,
+        optimizers: Sequence[torch.optim.Optimizer],
+        snapshots: Snapshots | None = None,
     ) -> tuple[Measurement, ScaledSince]:
         """Snapshot the tensors the optimisers will update at a non-zero rate (a zero-size
-        tensor moves nothing: it has no FSLR and is not probed).
+        tensor moves nothing: it has no FSLR and is not probed), into ``snapshots``' buffers
+        where given (reused step to step: :attr:`before` is then valid until the next step).
 
         Raises:
             ValueError: the optimisers update none of ``module``'s parameters, or every rate
@@ -91,7 +97,12 @@ class Measurement:
                 "to measure; measure a step with a non-zero rate (Recorder and FLeRM wait for "
                 "one by themselves)"
             )
-        before = {n: current[n].detach().clone() for n in lrs}
+        kept = {n: current[n] for n in lrs}
+        before = (
+            {n: p.detach().clone() for n, p in kept.items()}
+            if snapshots is None
+            else snapshots.take(kept)
+        )
         # FLeRM may scale this step's update inside the block: then it was taken at its rate
         return cls(before, lrs), ScaledSince(optimizers)
 

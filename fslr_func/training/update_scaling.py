@@ -53,7 +53,7 @@ from torch import Tensor
 from ..probe.functional import is_dtensor
 from .rates import Scaling, group_lr, scaling_registry
 
-__all__ = ["UpdateScaler", "check_scalable", "scale_updates", "snapshot"]
+__all__ = ["Snapshots", "UpdateScaler", "check_scalable", "scale_updates", "snapshot"]
 
 # Optimisers whose step is not proportional to their learning rate, by (module prefix, class).
 _NOT_PROPORTIONAL: dict[tuple[str, str], str] = {
@@ -163,6 +163,41 @@ def _local(tensors: Sequence[Tensor]) -> list[Tensor]:
     return [t.detach().to_local() if is_dtensor(t) else t.detach() for t in tensors]  # type: ignore[attr-defined]
 
 
+class Snapshots:
+    """Copies of tensors before a step, in buffers kept from step to step: one multi-tensor
+    copy and no allocation per step (a fresh megabyte-sized clone is an ``mmap`` and page
+    faults on every step).
+
+    Examples:
+        >>> w = torch.ones(3)
+        >>> snaps = Snapshots()
+        >>> first = snaps.take({"w": w})["w"]
+        >>> w += 1
+        >>> second = snaps.take({"w": w})["w"]
+        >>> second is first, second.tolist()  # the same buffer, refilled
+        (True, [2.0, 2.0, 2.0])
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, Tensor] = {}
+
+    def take(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Copies of ``tensors`` (valid until the next :meth:`take` of the same names)."""
+        for n, p in tensors.items():
+            kept = self._buffers.get(n)
+            if kept is None or (kept.shape, kept.dtype, kept.device) != (
+                p.shape,
+                p.dtype,
+                p.device,
+            ):
+                self._buffers[n] = torch.empty_like(p.detach())
+        names = list(tensors)
+        copies = snapshot(
+            [tensors[n].detach() for n in names], into=[self._buffers[n] for n in names]
+        )
+        return dict(zip(names, copies, strict=True))
+
+
 class UpdateScaler:
     """FLeRM's contact with one optimiser: the groups' rates before a step, the snapshot of
     the tensors whose rate differs from their group's, and the scaling after the step.
@@ -192,7 +227,7 @@ class UpdateScaler:
         check_scalable(optimizer)
         self.optimizer = optimizer
         self.scaling = scaling_registry().setdefault(optimizer, Scaling())
-        self._buffers: dict[str, Tensor] = {}  # snapshots, reused step to step
+        self._snapshots = Snapshots()
 
     def held(self, scheduled: bool) -> set[int]:
         """``id`` of every parameter the optimiser holds (param groups added since included).
@@ -235,19 +270,7 @@ class UpdateScaler:
     ) -> dict[str, Tensor]:
         """Copies of the tensors whose rate differs from their group's, in buffers kept from
         step to step (no allocation per step)."""
-        names = [n for n, (lr, rate) in rates.items() if rate != lr]
-        tensors = [params[n].detach() for n in names]
-        for n, p in zip(names, tensors, strict=True):
-            kept = self._buffers.get(n)
-            if kept is None or (kept.shape, kept.dtype, kept.device) != (
-                p.shape,
-                p.dtype,
-                p.device,
-            ):
-                self._buffers[n] = torch.empty_like(p)
-        return dict(
-            zip(names, snapshot(tensors, into=[self._buffers[n] for n in names]), strict=True)
-        )
+        return self._snapshots.take({n: params[n] for n, (lr, rate) in rates.items() if rate != lr})
 
     def end(
         self,

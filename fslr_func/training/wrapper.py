@@ -44,6 +44,7 @@ from ..stats.estimator import (
     mean_valid_log_stats,
 )
 from .measurement import Measurement, Reading, read_estimates
+from .update_scaling import Snapshots
 from .wrapper_state import extra_state, load_bare, load_extra_state, save_bare
 
 if TYPE_CHECKING:
@@ -116,6 +117,7 @@ class FSLRModule(nn.Module):
         self.resolved_strategy: Strategy = self.options.strategy
         self.readout_roles: dict[str, ReadoutRole] = {}
         self._measuring = False
+        self._snapshots = Snapshots()  # the weights before a measured step, reused
         self._strict_load = True
         self.probes = 0
         self.reported: dict[str, int] = {}  # drops already warned about, per tensor
@@ -267,7 +269,7 @@ class FSLRModule(nn.Module):
                 "FLeRM's set points, or record through a second with_fslr(model))"
             )
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-        m, scaled = Measurement.before_step(self.module, optimizers)
+        m, scaled = Measurement.before_step(self.module, optimizers, self._snapshots)
         self._measuring = True
         try:
             yield m

@@ -235,7 +235,7 @@ def test_timed_times_vmap_against_a_loop_and_keeps_the_same_numbers(chunk_size, 
 
 def test_auto_loops_over_the_samples_of_a_large_cpu_probe_and_batches_a_small_one():
     """The choice is the shapes' (probed elements x output rows vs LOOP_WORK), never timing."""
-    from fslr_func.vjp import LOOP_WORK
+    from fslr_func.probe.vjp import LOOP_WORK
 
     torch.manual_seed(0)
     big = nn.Linear(512, 512)

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import fslr_func as ff
-from fslr_func import vjp
+from fslr_func.probe import vjp
 
 
 @pytest.fixture

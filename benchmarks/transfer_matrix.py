@@ -1,0 +1,250 @@
+"""The transfer matrix (issue 23): FLeRM, muP and re-tuned standard training at 8x width, on
+families x base widths x budgets x data, each cell on an adaptive learning-rate grid.
+
+Every cell trains the base model (1x) and the 8x-wide model with Adam (constant rate, the
+identity policy, static FLeRM: the way the demo trains), seeds 0..k-1, and reads out at 8x
+(:mod:`fslr_func.experiments.matrix`): each mode's best rate and its shift in octaves from the
+base's best rate ``b``, its loss at ``b`` (what a user who tunes the small model gets), and
+the ratio of that loss to re-tuned standard training's best loss at 8x (1: as good as
+re-tuning). Losses are training losses over the last fifth of the steps, one pass over fresh
+data, seed means.
+
+The full product (5 families x 2 base widths x 3 budgets x data) is too slow on 2 CPU cores;
+the design covers each factor on at least two families:
+
+- family: every family at 150 steps and its first base width (ResMLP, 1-D conv net with and
+  without BatchNorm on MNIST-1D, 2-D conv net with and without BatchNorm on ``digits_aug``,
+  PreNorm transformer);
+- budget: 150, 300, 600 steps on the ResMLP, 150 and 300 on the 1-D conv net (600:
+  ``--cells conv1d-w16-s600``, left out of the default run for its cost);
+- base width: ResMLP 32 and 64, 1-D conv net 16 and 32 channels;
+- data: the ResMLP on MNIST-1D (two generation seeds) and on ``digits_aug``.
+
+``--variant NAME`` runs a FLeRM variant (:mod:`fslr_func.experiments.variants`) on the same
+cells, each in its own folder, at the base rate ``b`` the main cell found and its adaptive
+neighbours; its rows are read against the main cell's re-tuned standard training and muP.
+
+Run: ``nice -n 15 python benchmarks/transfer_matrix.py --jobs 2`` (cached under
+``fslr_runs/matrix``; a second call re-prints in seconds); ``--cells a,b`` for some cells,
+``--list`` for their names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from fslr_func.experiments.configs import SweepConfig, octaves
+from fslr_func.experiments.matrix import adaptive_cell
+
+
+def _cell(model: str, steps: int, seeds: int, **overrides: Any) -> SweepConfig:
+    return SweepConfig.for_model(
+        model, scales=(1, 8), steps=steps, last=steps // 5, seeds=seeds, **overrides
+    )
+
+
+#: The cells, cheapest first within each group.
+CELLS: dict[str, SweepConfig] = {
+    "resmlp-w32-s150": _cell("resmlp", 150, 3),
+    "resmlp-w64-s150": _cell("resmlp", 150, 3, width=64),
+    "resmlp-w32-s300": _cell("resmlp", 300, 3),
+    "resmlp-w32-s600": _cell("resmlp", 600, 3),
+    "resmlp-aug-w32-s150": _cell("resmlp", 150, 3, data="digits_aug"),
+    "resmlp-seed7-w64-s300": _cell("resmlp", 300, 3, width=64, data_seed=7),
+    "conv1d-w16-s150": _cell("resconv", 150, 3),
+    "conv1d-bn-w16-s150": _cell("resconv_bn", 150, 3),
+    "transformer-d16-s150": _cell("transformer", 150, 2, width=16, lrs=octaves(-10, -3)),
+    "conv2d-w8-s150": _cell("resconv", 150, 3, data="digits_aug", width=8),
+    "conv2d-bn-w8-s150": _cell("resconv_bn", 150, 3, data="digits_aug", width=8),
+    "conv1d-w16-s300": _cell("resconv", 300, 2),
+    "conv1d-w32-s150": _cell("resconv", 150, 2, width=32),
+}
+#: Cells defined but left out of the default run for its cost on 2 cores (``--cells`` runs them).
+EXTRA_CELLS: dict[str, SweepConfig] = {
+    "conv1d-w16-s600": _cell("resconv", 600, 2),
+    # the transformer cell with the 3 seeds of the PreNorm sweep above (benchmarks/transfer.py)
+    "transformer-d16-s150-3seeds": _cell("transformer", 150, 3, width=16, lrs=octaves(-10, -3)),
+}
+
+
+def _fmt(x: float | None, spec: str = ".3f") -> str:
+    return "-" if x is None or not math.isfinite(x) else format(x, spec)
+
+
+def _shift(entry: Mapping[str, Any]) -> str:
+    s = entry.get("shift")
+    return "-" if s is None else f"{'>=' if entry.get('edge') else ''}{s:+g}"
+
+
+def row(name: str, main: Mapping[str, Any], variant: Mapping[str, Any] | None = None) -> str:
+    """One table row: base rate; FLeRM (or the variant): shift, loss at b (sd), ratio to
+    re-tuned standard; standard: shift, best loss; muP: shift, loss at b, ratio."""
+    modes = main["modes"]
+    std = modes.get("standard", {})
+    std_best = std.get("best_loss")
+    f = (variant or main)["modes"].get("flerm", {})
+    m = modes.get("mup", {})
+
+    def at(e: Mapping[str, Any]) -> str:
+        a = e.get("at_tuned", {})
+        return f"{_fmt(a.get('mean'))} ({_fmt(a.get('sd'))})"
+
+    def ratio(e: Mapping[str, Any]) -> str:
+        mean = e.get("at_tuned", {}).get("mean")
+        return _fmt(mean / std_best if mean is not None and std_best else None)
+
+    return (
+        f"| {name} | 2^{math.log2(main['tuned']):.0f} | {_shift(f)} | {at(f)} | {ratio(f)} | "
+        f"{_shift(std)} | {_fmt(std_best)} | {_shift(m)} | {at(m)} | {ratio(m)} |"
+    )
+
+
+HEADER = (
+    "| cell | base best b | FLeRM shift | FLeRM at b (sd) | FLeRM / re-tuned | standard shift | "
+    "re-tuned standard best | muP shift | muP at b (sd) | muP / re-tuned |\n"
+    "|---|---|---|---|---|---|---|---|---|---|"
+)
+
+
+def compact(doc: Mapping[str, Any], variants: Sequence[str]) -> str:
+    """One table: per cell, FLeRM's, each variant's and muP's shift and ratio to re-tuned
+    standard training (``shift; ratio``), lowest ratio of the row in bold."""
+    labels = ["FLeRM", *variants, "muP"]
+    lines = [
+        "| cell | " + " | ".join(labels) + " |",
+        "|---|" + "---|" * len(labels),
+    ]
+    for name, d in doc.items():
+        std_best = d["main"]["modes"]["standard"].get("best_loss")
+        cells = []
+        for label in labels:
+            if label == "FLeRM":
+                e = d["main"]["modes"].get("flerm", {})
+            elif label == "muP":
+                e = d["main"]["modes"].get("mup", {})
+            else:
+                e = (d["variants"].get(label) or {"modes": {}})["modes"].get("flerm", {})
+            mean = e.get("at_tuned", {}).get("mean")
+            r = mean / std_best if mean is not None and std_best else None
+            cells.append((r, f"{_shift(e)}; {_fmt(r)}"))
+        best = min((r for r, _ in cells if r is not None), default=None)
+        shown = [f"**{t}**" if r is not None and r == best else t for r, t in cells]
+        lines.append(f"| {name} | " + " | ".join(shown) + " |")
+    return "\n".join(lines)
+
+
+def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
+    """Bars per cell: loss at 8x at the base's best rate over re-tuned standard training's best
+    loss at 8x, for FLeRM, each variant and muP (1: as good as re-tuning)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(doc)
+    series: list[tuple[str, list[float]]] = []
+
+    def ratio(cell: Mapping[str, Any], mode: str) -> float:
+        e = cell["modes"].get(mode, {})
+        mean = e.get("at_tuned", {}).get("mean")
+        return mean / std if mean is not None and (std := std_best) else math.nan
+
+    for label, key, mode in [
+        ("FLeRM", None, "flerm"),
+        *[(f"FLeRM {v}", v, "flerm") for v in variants],
+        ("muP", None, "mup"),
+    ]:
+        vals = []
+        for n in names:
+            std_best = doc[n]["main"]["modes"]["standard"].get("best_loss")
+            cell = doc[n]["main"] if key is None else doc[n]["variants"].get(key)
+            vals.append(ratio(cell, mode) if cell else math.nan)
+        series.append((label, vals))
+    fig, ax = plt.subplots(figsize=(8, 0.55 * len(names) + 1.5))
+    h = 0.8 / len(series)
+    for i, (label, vals) in enumerate(series):
+        ax.barh([k + i * h for k in range(len(names))], vals, height=h, label=label)
+    finite = [v for _, vals in series for v in vals if math.isfinite(v)]
+    ax.set_xlim(left=max(0.0, min(finite, default=1.0) - 0.05))
+    ax.axvline(1.0, color="k", lw=0.8)
+    ax.axvline(1.02, color="k", lw=0.5, ls=":")
+    ax.set_yticks([k + 0.4 - h / 2 for k in range(len(names))], names)
+    ax.invert_yaxis()
+    ax.set_xlabel("loss at 8x at the base's best rate / re-tuned standard training's best at 8x")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run (or re-read) the cells and print the matrix; exit status 0."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cells", default=None, help="comma-separated cell names (default: all)")
+    p.add_argument("--list", action="store_true", help="print the cell names and exit")
+    p.add_argument("--out", type=Path, default=Path("fslr_runs/matrix"))
+    p.add_argument("--jobs", type=int, default=1)
+    p.add_argument(
+        "--variant", action="append", default=[], help="a FLeRM variant to run (repeatable)"
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write the read-outs here")
+    p.add_argument("--plot", type=Path, default=None, help="also draw the ratios here")
+    p.add_argument("--cached", action="store_true", help="train nothing: print what is cached")
+    args = p.parse_args(argv)
+    if args.list:
+        print("\n".join([*CELLS, *EXTRA_CELLS]))
+        return 0
+    cells = {**CELLS, **EXTRA_CELLS}
+    names = args.cells.split(",") if args.cells else list(CELLS)
+    unknown = [n for n in names if n not in cells]
+    if unknown:
+        p.error(f"unknown cells {unknown}; --list names them")
+    doc: dict[str, Any] = {}
+    for name in names:
+        config = cells[name]
+        t0 = time.perf_counter()
+        main_out = adaptive_cell(
+            config,
+            args.out / name,
+            jobs=args.jobs,
+            log=lambda s: print(s, flush=True),
+            train=not args.cached,
+        )
+        if main_out["tuned"] is None:
+            continue
+        doc[name] = {"main": main_out, "variants": {}}
+        for variant in args.variant:
+            doc[name]["variants"][variant] = adaptive_cell(
+                config.replace(flerm_variant=variant),
+                args.out / f"{name}+{variant}",
+                modes=("flerm",),
+                tuned=main_out["tuned"],
+                jobs=args.jobs,
+                log=lambda s: print(s, flush=True),
+                train=not args.cached,
+            )
+        print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
+    for variant in [None, *args.variant]:
+        label = f" (FLeRM columns: variant {variant})" if variant else ""
+        print(f"\ntransfer matrix{label}, 1x -> 8x width, loss at 8x:\n{HEADER}")
+        for name, d in doc.items():
+            print(row(name, d["main"], d["variants"][variant] if variant else None))
+    if args.variant:
+        print(f"\n{compact(doc, args.variant)}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(doc, indent=1, default=str))
+    if args.plot:
+        plot(doc, args.variant, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

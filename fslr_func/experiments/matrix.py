@@ -1,0 +1,302 @@
+r"""The transfer matrix: one *cell* is a model family, base width, budget and data at 1x and
+8x width; this module runs a cell on an adaptive learning-rate grid and reads it out.
+
+A cell answers what a user who tunes the small model gets at 8x width, against a user who
+re-tunes the big one. It is run in phases, each a list of runs given to the sweep's
+:class:`~fslr_func.experiments.schedule.Scheduler` and cached in the sweep's files
+(:class:`~fslr_func.experiments.cache.SweepCache`: the fingerprint leaves out the grid, so the
+phases of a cell share one folder and an interrupted cell resumes):
+
+1. standard training at 1x on the config's grid, widened by an octave at an edge until the
+   best rate :math:`b` (seed mean of the last-``last`` training loss) is interior; these are
+   also the base recordings of FLeRM;
+2. at 8x: standard training on :math:`b/8 .. b` (the standard parametrisation's optimum moves
+   down with width), muP and FLeRM on :math:`b/2 .. 2b`;
+3. every mode whose best rate at 8x is on the edge of the rates it was run at gets the next
+   octave out, until it is interior (or the grid reaches ``2**-20`` or ``2**2``).
+
+Read-out per mode at 8x (:func:`cell_summary`): the best rate and its shift in octaves from
+:math:`b`, the loss at :math:`b` (the *transferred* loss: mean, sample standard deviation and
+each seed), and for FLeRM and muP the ratio of the transferred loss to re-tuned standard
+training's best loss at 8x (1 = as good as re-tuning).
+
+Examples:
+    >>> phase2_rates(2.0**-6, "standard") == tuple(2.0**k for k in range(-9, -5))
+    True
+    >>> phase2_rates(2.0**-6, "flerm") == (2.0**-7, 2.0**-6, 2.0**-5)
+    True
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .cache import SweepCache
+from .configs import SweepConfig
+from .run import RunSpec
+from .schedule import Scheduler
+from .task import Task, builtin_task
+
+__all__ = [
+    "LR_RANGE",
+    "adaptive_cell",
+    "best_rate",
+    "cell_summary",
+    "phase2_rates",
+    "run_specs",
+]
+
+LR_RANGE = (-20, 2)
+"""Octaves (powers of two) the adaptive grid may reach."""
+
+
+def _octave(lr: float) -> int:
+    return round(math.log2(lr))
+
+
+def phase2_rates(b: float, mode: str) -> tuple[float, ...]:
+    """The 8x rates of phase 2 for ``mode``, around the base's best rate ``b``: standard
+    training ``b/8 .. b``, muP and FLeRM (and its variants) ``b/2 .. 2b``."""
+    k = _octave(b)
+    lo, hi = (k - 3, k) if mode == "standard" else (k - 1, k + 1)
+    return tuple(2.0**j for j in range(lo, hi + 1))
+
+
+def run_specs(
+    config: SweepConfig,
+    out: str | Path,
+    specs: Iterable[RunSpec],
+    *,
+    task: Task | None = None,
+    jobs: int = 1,
+    threads: int | None = 1,
+    log: Callable[[str], None] | None = None,
+    train: bool = True,
+) -> dict[str, dict[str, Any]]:
+    """Train the runs ``specs`` of ``config`` that are not cached in ``out``; return them all.
+
+    The cache and scheduling of :func:`~fslr_func.experiments.sweep.run_sweep` for a list of
+    runs instead of a grid: FLeRM runs wait for the base recordings of their rate (made here
+    when missing), every result is stored as it finishes. ``config.seeds`` must be the seeds
+    FLeRM's base records are averaged over.
+
+    Args:
+        log: called with one line when runs are to be trained.
+        train: ``False``: train nothing, return the cached runs only.
+
+    Returns:
+        run key -> result, for every spec (cached or trained now).
+    """
+    config.validate(builtin=task is None)
+    task_name = config.task_name if task is None else task.name
+    cache = SweepCache.create(Path(out), config, task_name)
+    done: dict[str, dict[str, Any]] = {}
+    todo: list[RunSpec] = []
+    base = config.base_scale
+    for spec in dict.fromkeys(specs):
+        data = cache.run(spec)
+        if data is not None and spec.mode == "standard" and spec.scale == base:
+            data = data if cache.has_record(spec.lr, spec.seed) else None
+        if data is None:
+            todo.append(spec)
+        else:
+            done[spec.key] = data
+    keys = {s.key for s in todo}
+    recordings = [
+        RunSpec("standard", base, lr, seed)
+        for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
+        for seed in cache.seeds
+        if not cache.has_record(lr, seed)
+    ]
+    pending = todo + [s for s in recordings if s.key not in keys]
+    if not pending or not train:
+        return done
+    if log is not None:
+        log(f"{out}: {len(pending)} runs to train")
+
+    def finish(spec: RunSpec, result: dict[str, Any], record: Any) -> None:
+        cache.store(spec, result, record, run=spec.key in keys)
+        if spec.key in keys:
+            done[spec.key] = result
+
+    Scheduler(pending, base_scale=base, seeds=cache.seeds, base_for=cache.mean, finish=finish).run(
+        task if task is not None else builtin_task(config), config, jobs=jobs, threads=threads
+    )
+    return done
+
+
+def _losses(
+    runs: Mapping[str, Mapping[str, Any]], mode: str, scale: float, lr: float, seeds: int
+) -> list[float] | None:
+    """Per-seed losses of a (mode, scale, lr) cell; ``inf`` for a diverged seed; ``None``
+    if a seed has not run."""
+    out = []
+    for seed in range(seeds):
+        data = runs.get(RunSpec(mode, scale, lr, seed).key)
+        if data is None:
+            return None
+        out.append(math.inf if data.get("loss") is None else float(data["loss"]))
+    return out
+
+
+def _score(losses: Sequence[float]) -> float:
+    return statistics.fmean(losses) if all(math.isfinite(v) for v in losses) else math.inf
+
+
+def best_rate(
+    runs: Mapping[str, Mapping[str, Any]], mode: str, scale: float, seeds: int
+) -> tuple[float | None, list[float]]:
+    """The best rate of ``mode`` at ``scale`` among the rates run (all seeds present) and the
+    sorted rates run; ``None`` if none converged.
+
+    Examples:
+        >>> runs = {RunSpec("standard", 1.0, lr, 0).key:
+        ...         {"mode": "standard", "scale": 1.0, "lr": lr, "loss": loss}
+        ...         for lr, loss in [(0.25, 2.0), (0.5, 1.0), (1.0, None)]}
+        >>> best_rate(runs, "standard", 1.0, 1)
+        (0.5, [0.25, 0.5, 1.0])
+    """
+    rates = sorted(
+        {float(d["lr"]) for d in runs.values() if d.get("mode") == mode and d.get("scale") == scale}
+    )
+    scored = [(lr, _score(ls)) for lr in rates if (ls := _losses(runs, mode, scale, lr, seeds))]
+    rates = [lr for lr, _ in scored]
+    finite = [(s, lr) for lr, s in scored if math.isfinite(s)]
+    return (min(finite)[1] if finite else None), rates
+
+
+def _next_out(best: float | None, rates: Sequence[float]) -> float | None:
+    """The octave beyond the edge ``best`` is on (a diverged top counts as interior), or
+    ``None`` when ``best`` is interior or the range is exhausted."""
+    if not rates:
+        return None
+    lo, hi = _octave(rates[0]), _octave(rates[-1])
+    if best is None or _octave(best) == lo:  # nothing converged: go down
+        k = lo - 1
+    elif _octave(best) == hi:
+        k = hi + 1
+    else:
+        return None
+    return 2.0**k if LR_RANGE[0] <= k <= LR_RANGE[1] else None
+
+
+def adaptive_cell(
+    config: SweepConfig,
+    out: str | Path,
+    *,
+    modes: Sequence[str] = ("standard", "mup", "flerm"),
+    tuned: float | None = None,
+    task: Task | None = None,
+    jobs: int = 1,
+    log: Callable[[str], None] | None = None,
+    train: bool = True,
+) -> dict[str, Any]:
+    """Run (or resume) one cell of the matrix on the adaptive grid; return :func:`cell_summary`.
+
+    Args:
+        config: the cell; its largest scale is the scaled model (8x), its smallest the base.
+        out: the cell's folder.
+        modes: the modes to run at the largest scale (``"standard"`` is always run at 1x).
+        tuned: the base's best rate when known (a variant's folder: the main folder's
+            :math:`b`); ``None``: found here by phase 1.
+        task: the model family; default :func:`builtin_task` of ``config``.
+        jobs: worker processes.
+        log: called with a line per phase.
+        train: ``False``: read what is cached, train nothing (a cell not run reads as empty).
+    """
+    say = log or (lambda line: None)
+    base, top, seeds = config.base_scale, config.scales[-1], config.seeds
+    ks = range(seeds)
+
+    def run(specs: list[RunSpec]) -> dict[str, dict[str, Any]]:
+        return run_specs(config, out, specs, task=task, jobs=jobs, log=say, train=train)
+
+    runs: dict[str, dict[str, Any]] = {}
+    if tuned is None:
+        grid = list(config.lrs)
+        while True:
+            specs = [RunSpec("standard", base, lr, k) for lr in grid for k in ks]
+            got = run(specs)
+            runs.update(got)
+            b, rates = best_rate(runs, "standard", base, seeds)
+            nxt = _next_out(b, rates)
+            if nxt is None or not (train or any(s.key in got for s in specs)):
+                break
+            grid = [nxt]
+        if b is None:
+            assert not train, "every base run diverged"
+            return {"tuned": None, "base_loss": None, "modes": {}}
+        tuned = b
+    else:
+        # the base runs at b give FLeRM its records (and the read-out its base loss)
+        runs.update(run([RunSpec("standard", base, tuned, k) for k in ks]))
+    specs = [RunSpec(m, top, lr, k) for m in modes for lr in phase2_rates(tuned, m) for k in ks]
+    while specs:
+        got = run(specs)
+        runs.update(got)
+        if not (train or any(s.key in got for s in specs)):
+            break
+        specs = []
+        for m in modes:
+            nxt = _next_out(*best_rate(runs, m, top, seeds))
+            if nxt is not None:
+                specs += [RunSpec(m, top, nxt, k) for k in ks]
+    return cell_summary(config, runs, tuned, modes)
+
+
+def cell_summary(
+    config: SweepConfig,
+    runs: Mapping[str, Mapping[str, Any]],
+    tuned: float,
+    modes: Sequence[str],
+) -> dict[str, Any]:
+    """A cell's read-out (see the module docstring).
+
+    Returns:
+        ``{"tuned": b, "base_loss": mean loss at b at 1x, "modes": {mode: {"best_lr",
+        "shift" (octaves from b), "best_loss", "at_tuned": {"mean", "sd", "losses"},
+        "ratio": transferred loss / standard's best loss at 8x (non-standard modes)}}}``.
+
+    Examples:
+        >>> cfg = SweepConfig(scales=(1, 8), seeds=1)
+        >>> runs = {RunSpec(m, s, lr, 0).key: {"mode": m, "scale": s, "lr": lr, "loss": v}
+        ...         for m, s, lr, v in [("standard", 1.0, 0.5, 1.0), ("standard", 8.0, 0.25, 0.8),
+        ...                             ("standard", 8.0, 0.5, 0.9), ("flerm", 8.0, 0.5, 0.84)]}
+        >>> s = cell_summary(cfg, runs, 0.5, ["standard", "flerm"])
+        >>> s["modes"]["standard"]["shift"], s["modes"]["flerm"]["ratio"]
+        (-1.0, 1.05)
+    """
+    top, seeds = config.scales[-1], config.seeds
+    base_losses = _losses(runs, "standard", config.base_scale, tuned, seeds)
+    out: dict[str, Any] = {
+        "tuned": tuned,
+        "base_loss": None if base_losses is None else _score(base_losses),
+        "modes": {},
+    }
+    for m in modes:
+        best, rates = best_rate(runs, m, top, seeds)
+        at = _losses(runs, m, top, tuned, seeds)
+        finite = at is not None and all(math.isfinite(v) for v in at)
+        entry: dict[str, Any] = {
+            "best_lr": best,
+            "shift": None if best is None else round(math.log2(best / tuned), 6),
+            "best_loss": None if best is None else _score(_losses(runs, m, top, best, seeds) or []),
+            "rates": rates,
+            "edge": best is not None and best in (rates[0], rates[-1]) and len(rates) > 1,
+            "at_tuned": {
+                "mean": _score(at) if finite and at else None,
+                "sd": statistics.stdev(at) if finite and at and len(at) > 1 else 0.0,
+                "losses": at,
+            },
+        }
+        out["modes"][m] = entry
+    std_best = out["modes"].get("standard", {}).get("best_loss")
+    for m, entry in out["modes"].items():
+        mean = entry["at_tuned"]["mean"]
+        if m != "standard" and std_best and mean is not None:
+            entry["ratio"] = round(mean / std_best, 6)
+    return out

@@ -1,0 +1,572 @@
+r"""FLeRM variants measured on the transfer matrix (issue 23): prototypes built on the public API.
+
+Static FLeRM (the paper's main results) sets each tensor's rate once, at step 0, from the
+first update of the scaled run, which under Adam is :math:`\mathrm{sign}(g)` (bias-corrected
+first step: :math:`m/\sqrt v = g/|g|`), against the base run's first update:
+
+.. math::
+
+    r_W = \frac{\mathrm{FSLR}^\text{base}_W(0)}{\mathrm{FSLR}_W(0)}, \qquad \eta_W = \eta_0 r_W .
+
+The sign of a gradient summed over a batch moves the function more per unit rate than later
+Adam updates (a moving average of noisy gradients over their RMS): on the ResMLP and the conv
+nets of the transfer matrix most tensors' unit-rate FSLR falls to 4-45% of its step-0 value
+in steps 10-40, and for some (the readout; the conv net's input, hidden and readout weights)
+by a different fraction at 8x than at 1x (docs/reproduction.md, "Why FLeRM under-sets width
+rates"). Where it falls further at 8x, :math:`r_W` read at step 0 is too small for the rest
+of training.
+
+:class:`WindowFLeRM` keeps the step-0 set point and then matches the function-space movement
+accumulated over a window of later steps: with unit-rate FSLRs probed every ``every`` steps
+in ``[lo, hi]`` (each probe its own estimate, ``beta = 0``, in the base record too),
+
+.. math::
+
+    r_W(t) = \frac{\sum_{s \in S_t} T_W(s)}{\sum_{s \in S_t} \mathrm{FSLR}_W(s)}, \qquad
+    S_t = \{s : lo \le s \le t,\ s \equiv lo \pmod{every}\},
+
+set at every probe step :math:`t` of the window (``cumulative``) or once, at its end, and
+held afterwards: the movement per step, summed over the window, equals the base's. The sums
+(not a mean of per-probe ratios) keep the noise of a single probe from setting a rate.
+
+:class:`HiddenWidthPolicy` changes the targets instead of the set point. In the standard
+parametrisation the readout's weights are :math:`\Theta(n^{-1/2})` at width :math:`n`, and a
+gradient-driven change :math:`\delta` per coordinate of the features (the readout's input) is
+aligned with them, so it moves the output by about :math:`\sqrt n \, \delta`: holding each
+hidden tensor's output movement at the base's, as FLeRM does, shrinks its feature movement by
+:math:`\sqrt{m}` at :math:`m` times the width (feature learning fades with width, the
+regime muP was built to avoid). The policy keeps the feature movement instead: a hidden
+tensor's target is the base's times :math:`m_\text{in}^{\alpha}`, :math:`\alpha = 1/2`,
+:math:`m_\text{in}` its fan-in multiplier; a *hidden* tensor is one whose fan-out and fan-in
+(dims 0 and 1) both grow with the width (muP's "two infinite dimensions": hidden linear and
+conv weights, attention and MLP matrices); every other tensor (input layer, embeddings,
+biases, norms, readout) keeps the base's target. Measured, not derived, where it matters:
+on the ResMLP of 300 steps, multiplying the hidden weights' rates by 2.83 after FLeRM's set
+point gives 0.720 (re-tuned standard training 0.735, FLeRM 0.818), while doing the same to
+the input layer too gives 0.803.
+
+:data:`VARIANTS` names the variants the matrix runs (``SweepConfig.flerm_variant``); each
+carries the probe options (``with_fslr`` keywords) of its base recordings and FLeRM runs.
+
+Examples:
+    >>> import torch, fslr_func as ff
+    >>> def run(width, lr, base=None):
+    ...     torch.manual_seed(0)
+    ...     net = torch.nn.Sequential(torch.nn.Linear(4, width), torch.nn.Tanh(),
+    ...                               torch.nn.Linear(width, 3))
+    ...     fm = ff.with_fslr(net, samples=4, seed=0, beta=0.0)
+    ...     opt = torch.optim.Adam(fm.parameters(), lr=lr)
+    ...     probes = (torch.randn(16, 4) for _ in range(1000))
+    ...     ctl = (ff.Recorder(fm, probes, optimizer=opt, warmup_samples=4, every=2)
+    ...            if base is None else WindowFLeRM(fm, opt, base, probe_batches=probes,
+    ...                                             warmup_samples=4, every=2, window=(2, 6)))
+    ...     for t in range(8):
+    ...         opt.zero_grad()
+    ...         fm(torch.randn(16, 4)).square().mean().backward()
+    ...         with ctl.step():
+    ...             opt.step()
+    ...     return ctl
+    >>> flerm = run(32, 1e-2, run(8, 1e-2).record)
+    >>> [p.step for p in flerm.history]  # step 0, then the window's end
+    [0, 6]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..io.record import FSLRRecord
+from ..probe.functional import Inputs
+from ..probe.names import block_role
+from ..training import policies
+from ..training.flerm import FLeRM, SetPoint
+from ..training.recorder import Recorder
+from ..training.wrapper import FSLRModule
+
+__all__ = [
+    "VARIANTS",
+    "FeatureFLeRM",
+    "GainRecorder",
+    "HiddenWidthPolicy",
+    "Variant",
+    "WindowFLeRM",
+    "feature_gains",
+    "hidden_fan_in",
+    "window_ratios",
+]
+
+
+def window_ratios(
+    targets: Iterable[Mapping[str, float]],
+    fslrs: Iterable[Mapping[str, float]],
+    *,
+    min_fslr: float = 1e-12,
+) -> dict[str, float]:
+    r"""Per tensor, :math:`\sum_s T_W(s) / \sum_s \mathrm{FSLR}_W(s)` over paired probes;
+    tensors with a non-finite value in any probe, or a sum at most ``min_fslr``, are left out.
+
+    Examples:
+        >>> window_ratios([{"w": 2.0}, {"w": 4.0}], [{"w": 1.0}, {"w": 1.0}])
+        {'w': 3.0}
+        >>> window_ratios([{"w": 1.0}], [{"w": float("nan")}])
+        {}
+    """
+    num: dict[str, float] = {}
+    den: dict[str, float] = {}
+    bad: set[str] = set()
+    for tgt, got in zip(targets, fslrs, strict=True):
+        for name, t in tgt.items():
+            f = got.get(name, math.nan)
+            if not (math.isfinite(t) and math.isfinite(f)):
+                bad.add(name)
+                continue
+            num[name] = num.get(name, 0.0) + t
+            den[name] = den.get(name, 0.0) + f
+    return {
+        n: num[n] / den[n] for n in num if n not in bad and den[n] > min_fslr and num[n] > min_fslr
+    }
+
+
+class WindowFLeRM(FLeRM):
+    r"""Static FLeRM, then movement matched over a window of later steps (module docstring).
+
+    Args:
+        fm, optimizer, base: as :class:`~fslr_func.flerm.FLeRM`; ``base`` should be recorded
+            with one probe every ``every`` steps and ``beta=0`` (each probe its own estimate),
+            as ``fm`` should be.
+        window: ``(lo, hi)``: the steps whose probes are matched; ``lo`` a multiple of
+            ``every`` after FLeRM's ``start_step``.
+        cumulative: re-match at every probe of the window (else once, at ``hi``).
+        every: the probe period (the base record's).
+        **kwargs: FLeRM's other options (``mode`` is ``"static"``).
+
+    Attributes:
+        window_record: the scaled run's probes in the window (an FSLR record).
+    """
+
+    def __init__(
+        self,
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        probe_batches: Iterable[Inputs],
+        window: tuple[int, int],
+        cumulative: bool = False,
+        every: int = 10,
+        **kwargs: Any,
+    ) -> None:
+        kwargs.pop("mode", None)
+        super().__init__(
+            fm, optimizer, base, probe_batches=probe_batches, mode="static", every=every, **kwargs
+        )
+        lo, hi = window
+        if not (lo >= 1 and hi >= lo and lo % every == 0):
+            raise ValueError(f"window must be (lo, hi), 1 <= lo <= hi, lo a multiple of {every}")
+        self.window = (lo, hi)
+        self.cumulative = cumulative
+        self.every = every
+        self._recorder = Recorder(
+            fm,
+            probe_batches,
+            optimizer=self.optimizer,
+            warmup_samples=fm.samples,
+            every=every,
+            start_step=lo,
+        )
+
+    @property
+    def window_record(self) -> FSLRRecord:
+        """The scaled run's unit-rate FSLRs probed in the window so far."""
+        return self._recorder.record
+
+    @contextlib.contextmanager
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """FLeRM's step; inside the window the recorder measures the optimiser's own update
+        (its direction is the scaled update's), and at a probe step the rates are re-matched."""
+        t = self.t
+        lo, hi = self.window
+        inside = lo <= t <= hi
+        with super().step(optimizer):
+            if t <= hi:  # the recorder counts steps from its first call: call it every step
+                with self._recorder.step(self.optimizer):
+                    yield
+            else:
+                yield
+        rec = self._recorder.record
+        probed = inside and len(rec) and rec.steps[-1] == t
+        if probed and (self.cumulative or t + self.every > hi):
+            self._rematch(t)
+
+    def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
+        """The window's ratios as set (a hook for subclasses: here unchanged)."""
+        return ratios
+
+    def _rematch(self, t: int) -> None:
+        rec = self._recorder.record
+        targets = [self.targets.at(s, self.names, self._note_each) for s in rec.steps]
+        fslrs = [rec.at(s, unknown="omit") for s in rec.steps]  # unknown: left out
+        ratios = self._adjust(window_ratios(targets, fslrs, min_fslr=self.min_fslr))
+        self.ratios.update({n: r for n, r in ratios.items() if n in self.ratios})
+        self.history.append(
+            SetPoint(
+                step=t,
+                lrs=self.lrs(),
+                fslr=fslrs[-1],
+                targets=targets[-1],
+                held=tuple(n for n in self.names if n not in ratios),
+            )
+        )
+
+
+def hidden_fan_in(
+    model: torch.nn.Module, base_shapes: Mapping[str, Sequence[int]]
+) -> dict[str, float]:
+    """The *hidden* tensors of ``model`` and their fan-in multipliers: tensors of rank 2 or more
+    whose dims 0 and 1 (fan-out, fan-in) both differ from the base's (muP's two infinite
+    dimensions); a tensor the base lacks (an extra block) is compared with its role in the base
+    (:func:`fslr_func.names.block_role`), as :func:`~fslr_func.experiments.mup.width_mults`
+    does.
+
+    Examples:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 64))
+        >>> hidden_fan_in(net, {"0.weight": (16, 4), "0.bias": (16,), "1.weight": (16, 16),
+        ...                     "1.bias": (16,)})
+        {'1.weight': 4.0}
+    """
+    roles: dict[str, tuple[int, ...]] = {}
+    for name, shape in base_shapes.items():
+        roles.setdefault(block_role(name), tuple(shape))
+    out: dict[str, float] = {}
+    for name, p in model.named_parameters():
+        ref = tuple(base_shapes[name]) if name in base_shapes else roles.get(block_role(name))
+        if ref is None or p.dim() < 2 or len(ref) != p.dim():
+            continue
+        if p.shape[0] != ref[0] and p.shape[1] != ref[1]:
+            out[name] = p.shape[1] / ref[1]
+    return out
+
+
+class HiddenWidthPolicy:
+    r"""A policy: ``inner``'s targets, hidden tensors' times :math:`m_\text{in}^\alpha`.
+
+    Args:
+        model: the scaled model (its ``named_parameters()`` names are the policy's).
+        base_shapes: the base model's, by name (``FSLRRecord.shapes``); extra blocks of a
+            deeper model are compared with their role in the base
+            (:func:`hidden_fan_in`).
+        alpha: the exponent (1/2: keep the features' movement in the standard
+            parametrisation; 0: ``inner`` itself).
+        inner: the policy mapping base FSLRs to the scaled tensors (default identity).
+
+    Attributes:
+        factors: tensor name -> the factor on its target (hidden tensors only).
+
+    Examples:
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 64),
+        ...                           torch.nn.Linear(64, 3))
+        >>> small = {n: tuple(p.shape) for n, p in torch.nn.Sequential(
+        ...     torch.nn.Linear(4, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 3)
+        ... ).named_parameters()}
+        >>> pol = HiddenWidthPolicy(net, small)
+        >>> pol.factors
+        {'1.weight': 2.0}
+        >>> pol({n: 1.0 for n in small}, list(small))["1.weight"]
+        2.0
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        base_shapes: Mapping[str, Sequence[int]],
+        *,
+        alpha: float = 0.5,
+        inner: policies.PolicySpec = "identity",
+    ) -> None:
+        self.inner = policies.resolve(inner)
+        self.one_to_one = policies.is_one_to_one(self.inner)
+        self.alpha = float(alpha)
+        self.factors = {n: m**self.alpha for n, m in hidden_fan_in(model, base_shapes).items()}
+        self.__name__ = f"hidden_width(alpha={self.alpha:g})"
+
+    def __call__(self, base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
+        """``inner``'s targets, each hidden tensor's times its factor."""
+        targets = policies.apply(self.inner, base, scaled, allow_zero=True)
+        return {n: v * self.factors.get(n, 1.0) for n, v in targets.items()}
+
+
+class _Features(torch.nn.Module):
+    """``model.features`` (the readout's input) as a module's output; parameters ``m.<name>``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.m = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.m.features(x)  # type: ignore[operator,no-any-return]
+
+
+def feature_gains(
+    model: torch.nn.Module,
+    inputs: Any,
+    before: Mapping[str, torch.Tensor],
+) -> dict[str, float]:
+    r"""Per tensor, :math:`\|J_f \Delta W\|_\mathrm{RMS} / \|J_h \Delta W\|_\mathrm{RMS}`:
+    how much the output moves per unit of feature movement (``model.features``, the readout's
+    input) for the update ``params - before``, both by :func:`fslr_func.exact`. Tensors that
+    do not move the features (the readout) are left out.
+
+    Examples:
+        >>> class Net(torch.nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
+        ...     def features(self, x):
+        ...         return self.a(x)
+        ...     def forward(self, x):
+        ...         return self.b(self.features(x))
+        >>> _ = torch.manual_seed(0)
+        >>> net = Net()
+        >>> before = {n: p.detach().clone() for n, p in net.named_parameters()}
+        >>> with torch.no_grad():
+        ...     _ = net.a.weight.add_(0.1)
+        >>> sorted(feature_gains(net, torch.randn(8, 3), before))
+        ['a.weight']
+    """
+    from ..probe.exact import exact
+
+    params = dict(model.named_parameters())
+    delta = {n: p.detach() - before[n] for n, p in params.items()}
+    moved = {n for n, d in delta.items() if bool(d.ne(0).any())}
+    out = exact(model, inputs, {n: delta[n] for n in moved}, params=dict(before))
+    feat = exact(
+        _Features(model),
+        inputs,
+        {f"m.{n}": delta[n] for n in moved},
+        params={f"m.{n}": v for n, v in before.items()},
+    )
+    gains = {}
+    for n in moved:
+        o, f = float(out[n]), float(feat[f"m.{n}"])
+        if f > 0 and o > 0 and math.isfinite(o / f):
+            gains[n] = o / f
+    return gains
+
+
+class GainRecorder(Recorder):
+    """A :class:`~fslr_func.recorder.Recorder` that also stores, in ``record.meta
+    ["feature_gain"]``, :func:`feature_gains` of the base run's first update (on one probe
+    batch drawn at construction)."""
+
+    def __init__(self, fm: FSLRModule, probe_batches: Iterable[Inputs], **kwargs: Any) -> None:
+        it = iter(probe_batches)
+        self._gain_inputs = next(it)
+        # put the batch back: the probes (and so the record) are the plain recorder's
+        super().__init__(fm, itertools.chain([self._gain_inputs], it), **kwargs)
+        self._first = True
+
+    @contextlib.contextmanager
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Any]:
+        """The recorder's step; after the first one, the feature gains of its update."""
+        model = self.fm.module
+        before = (
+            {n: p.detach().clone() for n, p in model.named_parameters()} if self._first else None
+        )
+        with super().step(optimizer) as m:
+            yield m
+        if before is not None:
+            self._first = False
+            self.record.meta["feature_gain"] = feature_gains(model, self._gain_inputs, before)
+
+
+class FeatureFLeRM(FLeRM):
+    r"""Static FLeRM whose hidden tensors match the base's *feature* movement, measured.
+
+    FLeRM matches each tensor's output movement. For a hidden tensor (fan-out and fan-in both
+    grown, :class:`HiddenWidthPolicy`'s test) this rescales its rate after the set point by
+    :math:`G^{s}_W / G^{b}_W`, the gain from feature movement to output movement
+    (:func:`feature_gains`) of the scaled model's first update over the base's (read from
+    ``base.meta["feature_gain"]``, recorded by :class:`GainRecorder`; both on the first probe
+    batch, which the set point also uses), so that its movement of
+    the features (the readout's input, per coordinate) is the base's: :math:`\sqrt m` under the
+    standard parametrisation's readout if the update is aligned with it (the assumption of
+    :class:`HiddenWidthPolicy` with :math:`\alpha = 1/2`), measured here instead.
+    """
+
+    def __init__(
+        self,
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        probe_batches: Iterable[Inputs],
+        **kwargs: Any,
+    ) -> None:
+        it = iter(probe_batches)
+        self._gain_inputs = next(it)
+        super().__init__(
+            fm, optimizer, base, probe_batches=itertools.chain([self._gain_inputs], it), **kwargs
+        )
+        self.hidden = list(hidden_fan_in(fm.module, base.shapes))
+        gain = base.meta.get("feature_gain")
+        if isinstance(gain, list):  # a seed mean keeps the first record's meta
+            gain = gain[0]
+        self.base_gain: dict[str, float] = dict(gain or {})
+        self.factors: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
+        """FLeRM's step; after the set point, the hidden tensors' ratios times the gains'."""
+        first = not self.history
+        model = self.fm.module
+        before = {n: p.detach().clone() for n, p in model.named_parameters()} if first else None
+        with super().step(optimizer):
+            yield
+        if before is not None and self.history:
+            gains = feature_gains(model, self._gain_inputs, before)
+            for n in self.hidden:
+                if n in gains and n in self.base_gain and n in self.ratios:
+                    self.factors[n] = gains[n] / self.base_gain[n]
+                    self.ratios[n] *= self.factors[n]
+
+
+class FeatureWindowFLeRM(FeatureFLeRM, WindowFLeRM):
+    """:class:`FeatureFLeRM`'s hidden-tensor factors on :class:`WindowFLeRM`'s rates: the
+    step-0 set point and the window's re-match both match output movement, then each hidden
+    tensor's ratio is multiplied by its factor (measured once, after the step-0 set point).
+
+    Args:
+        hidden_only: re-match only the hidden tensors in the window (the others keep their
+            step-0 rates): on the ResMLP the window raises the readout's rate, which costs
+            loss there (``benchmarks/transfer_boost.py``), while the hidden tensors' drift is
+            what the conv nets' loss follows.
+        *args, **kwargs: :class:`WindowFLeRM`'s.
+    """
+
+    def __init__(self, *args: Any, hidden_only: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.hidden_only = hidden_only
+
+    def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
+        keep = set(self.hidden) if self.hidden_only else set(ratios)
+        return {n: r * self.factors.get(n, 1.0) for n, r in ratios.items() if n in keep}
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A FLeRM variant: how its controller is made, and how its runs are probed.
+
+    Attributes:
+        make: ``make(fm, optimizer, base, *, steps, **flerm_kwargs) -> controller`` with
+            FLeRM's ``step()`` context manager and ``history``.
+        doc: one line for tables.
+        recorder: makes the base runs' recorder (``Recorder``'s signature); ``None``: the
+            library's.
+        probe: ``with_fslr`` keywords of the variant's base recordings and FLeRM runs
+            (e.g. ``beta=0``: each probe its own estimate).
+    """
+
+    make: Callable[..., Any]
+    doc: str
+    probe: Mapping[str, Any] = field(default_factory=dict)
+    recorder: Callable[..., Recorder] | None = None
+
+
+def _window(
+    fraction: float,
+    cumulative: bool,
+    alpha: float | None = None,
+    cls: type[WindowFLeRM] = WindowFLeRM,
+    **options: Any,
+) -> Callable[..., WindowFLeRM]:
+    def make(
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        steps: int,
+        every: int = 10,
+        policy: policies.PolicySpec = "identity",
+        **kwargs: Any,
+    ) -> WindowFLeRM:
+        hi = max(every, int(fraction * steps) // every * every)
+        if alpha is not None:
+            policy = HiddenWidthPolicy(fm.module, base.shapes, alpha=alpha, inner=policy)
+        return cls(
+            fm,
+            optimizer,
+            base,
+            window=(every, hi),
+            cumulative=cumulative,
+            every=every,
+            policy=policy,
+            **options,
+            **kwargs,
+        )
+
+    return make
+
+
+def _hidden_width(alpha: float) -> Callable[..., FLeRM]:
+    def make(
+        fm: FSLRModule,
+        optimizer: torch.optim.Optimizer,
+        base: FSLRRecord,
+        *,
+        steps: int,
+        policy: policies.PolicySpec = "identity",
+        **kwargs: Any,
+    ) -> FLeRM:
+        pol = HiddenWidthPolicy(fm.module, base.shapes, alpha=alpha, inner=policy)
+        return FLeRM(fm, optimizer, base, policy=pol, **kwargs)
+
+    return make
+
+
+VARIANTS: dict[str, Variant] = {
+    "window30": Variant(
+        _window(0.3, cumulative=False),
+        "step-0 set point, then movement matched over steps 10..30% of the budget, held",
+        {"beta": 0.0, "samples": 32},
+    ),
+    "window_all": Variant(
+        _window(1.0, cumulative=True),
+        "step-0 set point, then re-matched at every probe to the movement summed since step 10",
+        {"beta": 0.0, "samples": 32},
+    ),
+    "hidden_sqrt_window30": Variant(
+        _window(0.3, cumulative=False, alpha=0.5),
+        "hidden_sqrt's targets, matched at step 0 and then over steps 10..30% of the budget",
+        {"beta": 0.0, "samples": 32},
+    ),
+    "feature": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: FeatureFLeRM(fm, optimizer, base, **kw),
+        "static FLeRM, hidden tensors re-scaled to the base's feature movement (measured)",
+        recorder=GainRecorder,
+    ),
+    "feature_window30": Variant(
+        _window(0.3, cumulative=False, cls=FeatureWindowFLeRM),
+        "feature's hidden factors, rates matched at step 0 and over steps 10..30% of the budget",
+        {"beta": 0.0, "samples": 32},
+        recorder=GainRecorder,
+    ),
+    "feature_window30h": Variant(
+        _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True),
+        "feature_window30, the window re-matching the hidden tensors only",
+        {"beta": 0.0, "samples": 32},
+        recorder=GainRecorder,
+    ),
+    "hidden_sqrt": Variant(
+        _hidden_width(0.5),
+        "static FLeRM, hidden tensors' targets times sqrt(fan-in multiplier)",
+    ),
+}
+"""The FLeRM variants the transfer matrix measures (``SweepConfig.flerm_variant``), by name;
+their probes take 32 omega samples, each its own estimate (``beta=0``)."""

@@ -1,0 +1,107 @@
+"""The transfer matrix's adaptive cells (fslr_func.experiments.matrix) and its printer."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fslr_func.experiments.configs import SweepConfig
+from fslr_func.experiments.matrix import _next_out, adaptive_cell, best_rate, cell_summary
+from fslr_func.experiments.run import RunSpec
+from tests._scripts import load_script
+
+
+def test_next_out_widens_only_at_an_edge():
+    rates = [2.0**-8, 2.0**-7, 2.0**-6]
+    assert _next_out(2.0**-7, rates) is None
+    assert _next_out(2.0**-8, rates) == 2.0**-9
+    assert _next_out(2.0**-6, rates) == 2.0**-5
+    assert _next_out(None, rates) == 2.0**-9  # nothing converged: go down
+    assert _next_out(2.0**-20, [2.0**-20, 2.0**-19]) is None  # the range's end
+
+
+def test_best_rate_needs_every_seed_and_skips_diverged_rates():
+    runs = {
+        RunSpec("flerm", 8.0, lr, k).key: {"mode": "flerm", "scale": 8.0, "lr": lr, "loss": v}
+        for lr, k, v in [(0.5, 0, 1.0), (0.5, 1, 3.0), (0.25, 0, 1.5), (1.0, 0, None)]
+    }
+    runs |= {
+        RunSpec("flerm", 8.0, 1.0, 1).key: {"mode": "flerm", "scale": 8.0, "lr": 1.0, "loss": 0.1}
+    }
+    # 0.25 lacks seed 1; 1.0 diverged on seed 0; 0.5 scores 2.0
+    assert best_rate(runs, "flerm", 8.0, 2) == (0.5, [0.5, 1.0])
+
+
+def test_adaptive_cell_finds_interior_optima_on_a_tiny_task(tmp_path):
+    config = SweepConfig(
+        width=4,
+        depth=1,
+        scales=(1, 2),
+        lrs=(2.0**-5, 2.0**-4),
+        steps=6,
+        last=2,
+        seeds=1,
+        num_samples=500,
+        batch_size=32,
+        samples=2,
+        warmup_samples=2,
+        every=3,
+    )
+    lines: list[str] = []
+    s = adaptive_cell(config, tmp_path / "cell", jobs=1, log=lines.append)
+    assert lines and math.log2(s["tuned"]) == round(math.log2(s["tuned"]))
+    for m, entry in s["modes"].items():
+        assert entry["best_lr"] is not None
+        assert not entry["edge"], (m, entry)  # widened until the optimum is interior
+        assert entry["at_tuned"]["losses"] is not None
+    assert s["modes"]["flerm"]["ratio"] > 0
+    again = adaptive_cell(config, tmp_path / "cell", jobs=1, log=lines.append)
+    assert again == s  # all cached
+    n = len(lines)
+    adaptive_cell(config, tmp_path / "cell", jobs=1, log=lines.append)
+    assert len(lines) == n  # nothing ran
+
+
+def test_cell_summary_ratio_against_retuned_standard():
+    cfg = SweepConfig(scales=(1, 8), seeds=2)
+    rows = [
+        ("standard", 1.0, 0.5, [1.0, 1.2]),
+        ("standard", 8.0, 0.25, [0.8, 0.8]),
+        ("standard", 8.0, 0.5, [0.9, 0.9]),
+        ("flerm", 8.0, 0.5, [0.84, 0.84]),
+        ("mup", 8.0, 0.5, [0.7, None]),
+    ]
+    runs = {
+        RunSpec(m, s, lr, k).key: {"mode": m, "scale": s, "lr": lr, "loss": v}
+        for m, s, lr, vs in rows
+        for k, v in enumerate(vs)
+    }
+    out = cell_summary(cfg, runs, 0.5, ["standard", "flerm", "mup"])
+    assert out["base_loss"] == pytest.approx(1.1)
+    assert out["modes"]["standard"]["shift"] == -1.0
+    assert out["modes"]["flerm"]["ratio"] == pytest.approx(0.84 / 0.8)
+    assert out["modes"]["mup"]["at_tuned"]["mean"] is None  # a seed diverged
+    assert "ratio" not in out["modes"]["mup"]
+
+
+def test_matrix_script_lists_cells_and_prints_rows(capsys):
+    mod = load_script("benchmarks/transfer_matrix.py")
+    assert mod.main(["--list"]) == 0
+    names = capsys.readouterr().out.split()
+    assert "resmlp-w32-s150" in names and "conv2d-bn-w8-s150" in names
+    families = {{**mod.CELLS, **mod.EXTRA_CELLS}[n].model for n in names}
+    assert families == {"resmlp", "resconv", "resconv_bn", "transformer"}
+    main = {
+        "tuned": 2.0**-6,
+        "modes": {
+            "standard": {"shift": -2.0, "best_loss": 1.0, "edge": False},
+            "flerm": {"shift": 0.0, "at_tuned": {"mean": 1.05, "sd": 0.01}, "edge": False},
+            "mup": {"shift": 1.0, "at_tuned": {"mean": 0.95, "sd": 0.02}, "edge": True},
+        },
+    }
+    line = mod.row("x", main)
+    assert (
+        line
+        == "| x | 2^-6 | +0 | 1.050 (0.010) | 1.050 | -2 | 1.000 | >=+1 | 0.950 (0.020) | 0.950 |"
+    )

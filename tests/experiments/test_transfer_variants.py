@@ -1,0 +1,178 @@
+"""FLeRM variants of the transfer matrix (fslr_func.experiments.variants)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fslr_func as ff
+from fslr_func.experiments.configs import SweepConfig
+from fslr_func.experiments.sweep import run_sweep
+from fslr_func.experiments.variants import (
+    VARIANTS,
+    HiddenWidthPolicy,
+    WindowFLeRM,
+    window_ratios,
+)
+
+
+def _net(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(5, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 3)
+    )
+
+
+def _run(width: int, base: ff.FSLRRecord | None = None, **kw):
+    model = _net(width)
+    fm = ff.with_fslr(model, samples=4, seed=0, beta=0.0, strategy="loop")
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    probes = (torch.randn(16, 5, generator=g) for _ in range(10_000))
+    if base is None:
+        ctl = ff.Recorder(fm, probes, optimizer=opt, warmup_samples=4, every=2)
+    else:
+        ctl = WindowFLeRM(fm, opt, base, probe_batches=probes, warmup_samples=4, every=2, **kw)
+    data = torch.Generator().manual_seed(2)
+    for _ in range(10):
+        opt.zero_grad()
+        x = torch.randn(16, 5, generator=data)
+        fm(x).square().mean().backward()
+        with ctl.step():
+            opt.step()
+    return ctl
+
+
+def test_window_ratios_is_a_ratio_of_sums():
+    t = [{"a": 1.0, "b": 2.0}, {"a": 3.0, "b": 2.0}]
+    f = [{"a": 2.0, "b": 1.0}, {"a": 2.0, "b": math.inf}]
+    assert window_ratios(t, f) == {"a": 1.0}  # b has a non-finite probe: left out
+    assert window_ratios([{"a": 0.0}], [{"a": 1.0}]) == {}  # zero target: held
+
+
+def test_window_flerm_rematches_to_the_window_movement():
+    base = _run(8).record
+    flerm = _run(32, base, window=(2, 6))
+    assert [p.step for p in flerm.history] == [0, 6]
+    rec = flerm.window_record
+    assert rec.steps == [2, 4, 6]
+    # the rates after the window are lr0 * sum(targets) / sum(FSLRs) over its probes
+    lrs = flerm.lrs()
+    for name in flerm.names:
+        num = sum(base.at(s)[name] for s in rec.steps)
+        den = sum(rec.fslr[name][i] for i in range(len(rec.steps)))
+        assert lrs[name] == pytest.approx(1e-2 * num / den, rel=1e-9)
+    cumulative = _run(32, base, window=(2, 8), cumulative=True)
+    assert [p.step for p in cumulative.history] == [0, 2, 4, 6, 8]
+
+
+def test_window_flerm_refuses_a_window_off_the_probe_grid():
+    base = _run(8).record
+    with pytest.raises(ValueError, match="window"):
+        _run(32, base, window=(3, 6))
+
+
+def test_hidden_width_policy_scales_only_two_infinite_dims():
+    base = {n: tuple(p.shape) for n, p in _net(8).named_parameters()}
+    pol = HiddenWidthPolicy(_net(32), base)
+    assert pol.factors == {"2.weight": 2.0}  # fan-in 32 / 8 = 4, sqrt
+    assert pol.one_to_one
+    targets = pol(dict.fromkeys(base, 0.5), list(base))
+    assert targets["2.weight"] == 1.0 and targets["0.weight"] == 0.5
+    assert HiddenWidthPolicy(_net(32), base, alpha=0.0).factors == {"2.weight": 1.0}
+    # at the base width nothing changes
+    assert HiddenWidthPolicy(_net(8), base).factors == {}
+
+
+def test_hidden_width_variant_sets_hidden_rates_up_by_the_factor(tmp_path):
+    common = dict(
+        width=4,
+        depth=2,
+        scales=(1, 4),
+        lrs=(0.01,),
+        steps=3,
+        last=1,
+        seeds=1,
+        num_samples=500,
+        batch_size=16,
+        samples=4,
+        warmup_samples=4,
+        every=2,
+        modes=("flerm",),
+    )
+    plain = run_sweep(SweepConfig(**common), tmp_path / "plain", quiet=True)
+    var = run_sweep(
+        SweepConfig(**common, flerm_variant="hidden_sqrt"), tmp_path / "var", quiet=True
+    )
+    key = "flerm_scale=4_lr=0.01_seed=0"
+    a, b = plain.runs[key]["flerm"], var.runs[key]["flerm"]
+    for name, lr in a["lrs"].items():
+        factor = 2.0 if name.startswith("blocks") and name.endswith("weight") else 1.0
+        assert b["lrs"][name] == pytest.approx(factor * lr, rel=1e-9), name
+    assert set(VARIANTS) >= {"hidden_sqrt", "window30", "window_all"}
+
+
+def test_feature_variant_rescales_only_hidden_tensors_by_the_measured_gain(tmp_path):
+    common = dict(
+        width=4,
+        depth=2,
+        scales=(1, 8),
+        lrs=(0.01,),
+        steps=3,
+        last=1,
+        seeds=1,
+        num_samples=500,
+        batch_size=16,
+        samples=4,
+        warmup_samples=4,
+        every=2,
+        modes=("flerm",),
+    )
+    plain = run_sweep(SweepConfig(**common), tmp_path / "plain", quiet=True)
+    var = run_sweep(SweepConfig(**common, flerm_variant="feature"), tmp_path / "var", quiet=True)
+    gains = ff.FSLRRecord.load(tmp_path / "var" / "records" / "lr=0.01_seed=0.json").meta[
+        "feature_gain"
+    ]
+    assert "readout.weight" not in gains and "blocks.0.linear.weight" in gains
+    key = "flerm_scale=8_lr=0.01_seed=0"
+    a, b = plain.runs[key]["flerm"], var.runs[key]["flerm"]
+    assert a["lrs"] == b["lrs"]  # the same base record and set point
+    for name, lr in a["final_lrs"].items():
+        hidden = name.startswith("blocks") and name.endswith("weight")
+        ratio = b["final_lrs"][name] / lr
+        assert (ratio != pytest.approx(1.0)) if hidden else ratio == pytest.approx(1.0), name
+
+
+def test_feature_window_hidden_only_rematches_hidden_tensors_only(tmp_path):
+    common = dict(
+        width=4,
+        depth=2,
+        scales=(1, 8),
+        lrs=(0.01,),
+        steps=12,
+        last=1,
+        seeds=1,
+        num_samples=500,
+        batch_size=16,
+        samples=4,
+        warmup_samples=4,
+        every=2,
+        modes=("flerm",),
+    )
+    runs = {}
+    for v in ("feature_window30", "feature_window30h"):
+        res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
+        runs[v] = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
+        assert runs[v]["set_points"] == [0, 2]  # window (2, 0.3 * 12 rounded down to 2)
+    a, b = runs["feature_window30"], runs["feature_window30h"]
+    assert a["lrs"] == b["lrs"]
+    for name in a["lrs"]:
+        hidden = name.startswith("blocks") and name.endswith("weight")
+        assert b["final_lrs"][name] == pytest.approx(
+            a["final_lrs"][name] if hidden else a["lrs"][name]
+        )
+        if not hidden:
+            assert a["final_lrs"][name] != pytest.approx(a["lrs"][name])  # re-matched
