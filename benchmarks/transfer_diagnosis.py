@@ -160,6 +160,16 @@ def _cell_runs(out: Path) -> dict[str, dict[str, Any]]:
     return runs
 
 
+def tuned_rates(folder: Path, config: SweepConfig) -> tuple[float, float]:
+    """Re-tuned standard training's best rate at the base scale and at the largest, from the
+    matrix cell's cached runs."""
+    runs = _cell_runs(folder)
+    b, _ = best_rate(runs, "standard", config.base_scale, config.seeds)
+    b8, _ = best_rate(runs, "standard", config.scales[-1], config.seeds)
+    assert b is not None and b8 is not None, "run the matrix cell first"
+    return b, b8
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cell", required=True, choices=sorted(CELLS))
@@ -170,10 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     config = CELLS[args.cell]
     folder = args.matrix / args.cell
-    runs = _cell_runs(folder)
-    b, _ = best_rate(runs, "standard", config.base_scale, config.seeds)
-    b8, _ = best_rate(runs, "standard", config.scales[-1], config.seeds)
-    assert b is not None and b8 is not None, "run the matrix cell first"
+    b, b8 = tuned_rates(folder, config)
     task = builtin_task(config)
     seeds = [int(s) for s in args.seeds.split(",")]
     result: dict[str, Any] = {"cell": args.cell, "b": b, "b8": b8, "seeds": {}}

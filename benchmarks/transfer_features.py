@@ -36,10 +36,9 @@ from fslr_func.experiments.mup import apply_mup, base_shapes
 from fslr_func.probe.names import block_role
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transfer_diagnosis import _cell_runs
+from transfer_diagnosis import tuned_rates
 from transfer_matrix import CELLS
 
-from fslr_func.experiments.matrix import best_rate
 from fslr_func.experiments.task import builtin_task
 
 STEPS = (0, 50, 100)
@@ -124,10 +123,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     torch.set_num_threads(1)
     config = CELLS[args.cell]
     folder = args.matrix / args.cell
-    runs = _cell_runs(folder)
-    b, _ = best_rate(runs, "standard", config.base_scale, config.seeds)
-    b8, _ = best_rate(runs, "standard", config.scales[-1], config.seeds)
-    assert b is not None and b8 is not None, "run the matrix cell first"
+    b, b8 = tuned_rates(folder, config)
     base = ff.FSLRRecord.load(folder / "records" / f"lr={lr_key(b)}_mean.json")
     task = builtin_task(config)
     top = config.scales[-1]

@@ -203,6 +203,38 @@ class SweepCache:
         """Whether the base record of ``lr`` and ``seed`` is cached with this fingerprint."""
         return self.record(lr, seed) is not None
 
+    def plan(
+        self, specs: Iterable[RunSpec], base_scale: float
+    ) -> tuple[dict[str, dict[str, Any]], list[RunSpec], list[RunSpec]]:
+        """What of ``specs`` is cached, what is left to train, and what must train with it.
+
+        A standard run at ``base_scale`` counts as cached only with its base record (FLeRM
+        needs it); every FLeRM run to train needs the base records of its learning rate, so
+        those missing and not among the runs to train are added as extra recordings.
+
+        Returns:
+            ``(done, todo, pending)``: run key -> cached result; the runs of ``specs`` to
+            train; ``todo`` followed by the extra base recordings.
+        """
+        done: dict[str, dict[str, Any]] = {}
+        todo: list[RunSpec] = []
+        for spec in dict.fromkeys(specs):
+            data = self.run(spec)
+            if data is not None and spec.mode == "standard" and spec.scale == base_scale:
+                data = data if self.has_record(spec.lr, spec.seed) else None
+            if data is None:
+                todo.append(spec)
+            else:
+                done[spec.key] = data
+        keys = {s.key for s in todo}
+        recordings = [
+            RunSpec("standard", base_scale, lr, seed)
+            for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
+            for seed in self.seeds
+            if not self.has_record(lr, seed)
+        ]
+        return done, todo, todo + [s for s in recordings if s.key not in keys]
+
     def mean(self, lr: float) -> FSLRRecord | None:
         """The seed mean of the base records of ``lr`` (:func:`mean_record`), also saved.
 

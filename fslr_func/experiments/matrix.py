@@ -94,25 +94,9 @@ def run_specs(
     config.validate(builtin=task is None)
     task_name = config.task_name if task is None else task.name
     cache = SweepCache.create(Path(out), config, task_name)
-    done: dict[str, dict[str, Any]] = {}
-    todo: list[RunSpec] = []
     base = config.base_scale
-    for spec in dict.fromkeys(specs):
-        data = cache.run(spec)
-        if data is not None and spec.mode == "standard" and spec.scale == base:
-            data = data if cache.has_record(spec.lr, spec.seed) else None
-        if data is None:
-            todo.append(spec)
-        else:
-            done[spec.key] = data
+    done, todo, pending = cache.plan(specs, base)
     keys = {s.key for s in todo}
-    recordings = [
-        RunSpec("standard", base, lr, seed)
-        for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
-        for seed in cache.seeds
-        if not cache.has_record(lr, seed)
-    ]
-    pending = todo + [s for s in recordings if s.key not in keys]
     if not pending or not train:
         return done
     if log is not None:

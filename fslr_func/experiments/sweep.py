@@ -165,26 +165,10 @@ class _Sweep:
         self.on_run = on_run
         self.runs: dict[str, dict[str, Any]] = {}
         self.executed: list[str] = []
-        base = config.base_scale
-        todo: list[RunSpec] = []
-        for spec in grid(config):
-            data = cache.run(spec)
-            if data is not None and spec.mode == "standard" and spec.scale == base:
-                data = data if cache.has_record(spec.lr, spec.seed) else None
-            if data is None:
-                todo.append(spec)
-            else:
-                self.runs[spec.key] = data
+        self.runs, todo, pending = cache.plan(grid(config), config.base_scale)
         self.todo_keys = {s.key for s in todo}
-        # base recordings needed by FLeRM runs, when the standard base run is not itself to do
-        recordings = [
-            RunSpec("standard", base, lr, seed)
-            for lr in sorted({s.lr for s in todo if s.mode == "flerm"})
-            for seed in cache.seeds
-            if not cache.has_record(lr, seed)
-        ]
         #: every run to train: the grid's missing runs, then the extra base recordings
-        self.pending = todo + [s for s in recordings if s.key not in self.todo_keys]
+        self.pending = pending
         self.progress = _Progress(len(self.pending), quiet)
 
     def finish(self, spec: RunSpec, result: dict[str, Any], record: FSLRRecord | None) -> None:
