@@ -138,9 +138,11 @@ class WindowFLeRM(FLeRM):
     r"""Static FLeRM, then movement matched over a window of later steps (module docstring).
 
     Args:
-        fm, optimizer, base: as :class:`~fslr_func.flerm.FLeRM`; ``base`` should be recorded
-            with one probe every ``every`` steps and ``beta=0`` (each probe its own estimate),
-            as ``fm`` should be.
+        fm: as :class:`~fslr_func.training.flerm.FLeRM`; wrapped with ``beta=0`` (each probe
+            its own estimate).
+        optimizer: as :class:`~fslr_func.training.flerm.FLeRM`.
+        base: as :class:`~fslr_func.training.flerm.FLeRM`; recorded with one probe every
+            ``every`` steps and ``beta=0``.
         window: ``(lo, hi)``: the steps whose probes are matched; ``lo`` a multiple of
             ``every`` after FLeRM's ``start_step``.
         cumulative: re-match at every probe of the window (else once, at ``hi``).
@@ -447,7 +449,8 @@ class FeatureWindowFLeRM(FeatureFLeRM, WindowFLeRM):
             step-0 rates): on the ResMLP the window raises the readout's rate, which costs
             loss there (``benchmarks/transfer_boost.py``), while the hidden tensors' drift is
             what the conv nets' loss follows.
-        *args, **kwargs: :class:`WindowFLeRM`'s.
+        *args: :class:`WindowFLeRM`'s.
+        **kwargs: :class:`WindowFLeRM`'s.
     """
 
     def __init__(self, *args: Any, hidden_only: bool = False, **kwargs: Any) -> None:

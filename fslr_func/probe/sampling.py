@@ -49,7 +49,7 @@ from ..stats.estimator import (
 from .fallback import first_line, warn_once
 from .functional import Inputs
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
-from .vjp import VjpSetup, prepare_vjp, remember
+from .vjp import VjpSetup, prepare_vjp
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -325,7 +325,8 @@ def _run(
         result = _sample(setup, delta, options, generator, reduction)
     # The next probe with the same signature skips the structural checks and takes this path
     # (plain autograd at once where the torch.func backward failed).
-    remember(setup, signature)
+    setup.signature = signature  # the autograd retry's setup is kept under the first's key
+    setup.remember()
     return result
 
 

@@ -10,9 +10,8 @@ loop (``strategy="auto"`` picks one from the model and device, the same on every
 
 What the forward's structure decides (the readout layer, that no probed tensor is cut out of
 the graph, names and shapes, the path the samples take) is kept per model, weakly, under a
-key of everything it depends on (:func:`probe_signature`), so a one-shot estimate called
-again with the same model and shapes does not find it again (:func:`remember`,
-:func:`forget`).
+key of everything it depends on (:mod:`fslr_func.probe.forward_cache`), so a one-shot
+estimate called again with the same model and shapes does not find it again.
 
 Examples:
     >>> import torch
@@ -31,45 +30,31 @@ from __future__ import annotations
 
 import contextlib
 import time
-import weakref
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 from torch.func import vjp, vmap
-from torch.utils._pytree import tree_flatten
 
 from ..stats.estimator import ReadoutRole, grouped_shape
 from .connectivity import CutFinder, check_connected
 from .fallback import first_line, warn_once
+from .forward_cache import KnownForward, known, probe_signature, remember
 from .functional import (
     Inputs,
-    ReadoutFinder,
     as_output_tensor,
     check_inputs,
     check_output,
     evaluation_point,
     model_forward,
-    readout_roles,
     substituted,
     transformable_attention,
 )
 from .options import ProbeOptions, Strategy
+from .readout import ReadoutFinder, readout_roles
 
-__all__ = [
-    "KNOWN_PER_MODEL",
-    "LOOP_WORK",
-    "TIMED_VMAP_ROWS",
-    "KnownForward",
-    "SampleFn",
-    "VjpFn",
-    "VjpSetup",
-    "forget",
-    "prepare_vjp",
-    "probe_signature",
-    "remember",
-]
+__all__ = ["LOOP_WORK", "TIMED_VMAP_ROWS", "SampleFn", "VjpFn", "VjpSetup", "prepare_vjp"]
 
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
 """The vjp of the probe's forward: a cotangent of the output to gradients by tensor name."""
@@ -172,7 +157,8 @@ class VjpSetup:
         strategy: the path the samples take: ``"vmap"``, ``"loop"``, ``"autograd"`` (the
             forward fell back to plain autograd) or ``"timed"`` (undecided until the first call).
         requested: the strategy asked for (``"auto"`` and ``"timed"`` allow fallbacks).
-        signature: the :func:`probe_signature` of the probe (``None``: not cached).
+        signature: the probe's key in :mod:`fslr_func.probe.forward_cache` (``None``: not
+            cached).
     """
 
     model: nn.Module
@@ -186,6 +172,13 @@ class VjpSetup:
     strategy: Strategy
     requested: str
     signature: Hashable | None = None
+
+    def remember(self) -> None:
+        """Keep what this forward found (readout, views, the path its samples took) for the
+        next probe of its model with the same :attr:`signature`
+        (:mod:`fslr_func.probe.forward_cache`)."""
+        found = KnownForward(self.readout_module, self.readout, self.views, self.strategy)
+        remember(self.model, self.signature, found)
 
     def map_samples(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
         """``fn`` applied to every row of ``omegas``, results stacked along a new dim 0.
@@ -242,139 +235,6 @@ class VjpSetup:
         return result
 
 
-@dataclass(frozen=True)
-class KnownForward:
-    """What an earlier probe found about a model for one :func:`probe_signature`.
-
-    Attributes:
-        readout_module: the readout module's name, or ``None``.
-        readout: readout tensor names -> ``"weight"`` or ``"bias"``.
-        views: tensor name -> the shape ``Z`` is viewed as.
-        strategy: the path the samples took (``"vmap"``, ``"loop"`` or ``"autograd"``).
-    """
-
-    readout_module: str | None
-    readout: dict[str, ReadoutRole]
-    views: dict[str, tuple[int, ...]]
-    strategy: Strategy
-
-
-KNOWN_PER_MODEL = 8
-"""Signatures remembered per model; the oldest is forgotten first (varying sequence lengths)."""
-
-_known: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, KnownForward]] = (
-    weakref.WeakKeyDictionary()
-)
-
-
-def _tensors_key(tensors: Mapping[str, Tensor]) -> tuple[Hashable, ...]:
-    return tuple((n, t.shape, t.dtype, t.device, t.layout) for n, t in tensors.items())
-
-
-def _leaf_key(leaf: object) -> Hashable:
-    if isinstance(leaf, Tensor):
-        return ("tensor", leaf.shape, leaf.dtype, leaf.device, leaf.layout, leaf.requires_grad)
-    hash(leaf)  # an unhashable argument: TypeError, and no signature
-    return (type(leaf), leaf)
-
-
-_FLAGS = (bool, int, float, str, type(None))
-
-
-def _module_key(name: str, module: nn.Module) -> Hashable:
-    own_forward = module.__dict__.get("forward")  # a forward patched onto the instance
-    return (
-        name,
-        type(module),
-        id(module),
-        module.training,
-        tuple(module._forward_hooks),
-        tuple(module._forward_pre_hooks),
-        None if own_forward is None else id(own_forward),
-        # Plain attributes a forward may branch on (use_reentrant, gradient_checkpointing).
-        tuple((k, v) for k, v in module.__dict__.items() if isinstance(v, _FLAGS)),
-    )
-
-
-def probe_signature(
-    model: nn.Module,
-    inputs: Inputs,
-    delta: Mapping[str, Tensor],
-    params: Mapping[str, Tensor] | None,
-    options: ProbeOptions,
-) -> Hashable | None:
-    """What a probe's structural checks depend on, as a hashable key; ``None``: do not cache.
-
-    The key holds every parameter's name, identity, shape, dtype, device and
-    ``requires_grad``; every submodule's name, type, identity, training mode, forward hooks,
-    instance-patched ``forward`` and plain attributes (bools, numbers, strings: the flags a
-    forward branches on); the buffers' names, shapes and dtypes; the names,
-    shapes and dtypes of ``delta`` and ``params``; the inputs' structure, and the shape,
-    dtype and device of each input tensor (other arguments by value); the readout,
-    ``output_fn``, grouping and strategy options; and the autocast state. A probe with the
-    same key runs the same forward code on tensors of the same shapes, so the readout
-    layer, the connectivity of the graph, the names and shapes, and the path the samples
-    take need not be found again (:func:`prepare_vjp`). What the key cannot see is a
-    forward whose graph depends on the *values* of its inputs or on state outside the model:
-    :func:`forget` drops what is known about a model.
-
-    Returns ``None`` (never cache) where an argument is not hashable or ``delta`` or
-    ``params`` are not mappings of tensors (the checks then run and say what is wrong).
-    """
-    try:
-        leaves, spec = tree_flatten(inputs)
-        key = (
-            spec,
-            tuple(_leaf_key(leaf) for leaf in leaves),
-            tuple(
-                (n, id(p), p.shape, p.dtype, p.device, p.requires_grad)
-                for n, p in model.named_parameters()
-            ),
-            tuple(_module_key(n, m) for n, m in model.named_modules()),
-            tuple((n, b.shape, b.dtype, b.device) for n, b in model.named_buffers()),
-            _tensors_key(delta),
-            None if params is None else _tensors_key(params),
-            options.readout,
-            options.output_fn,
-            options.grouping,
-            options.strategy,
-            tuple(
-                (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-                for device in ("cpu", "cuda")
-            ),
-        )
-        hash(key)
-    except (TypeError, AttributeError):
-        return None
-    return key
-
-
-def remember(setup: VjpSetup, signature: Hashable | None) -> None:
-    """Keep what ``setup`` found (readout, views, the path its samples took) for later
-    probes of its model with the same ``signature`` (nothing if ``None``)."""
-    if signature is None or setup.strategy not in ("vmap", "loop", "autograd"):
-        return
-    entries = _known.setdefault(setup.model, {})
-    entries.pop(signature, None)
-    entries[signature] = KnownForward(
-        setup.readout_module, setup.readout, setup.views, setup.strategy
-    )
-    while len(entries) > KNOWN_PER_MODEL:
-        del entries[next(iter(entries))]
-
-
-def forget(model: nn.Module | None = None) -> None:
-    """Drop what earlier probes found about ``model`` (every model: ``None``).
-
-    Needed only for a forward whose graph or output layer changes with something the
-    signature (:func:`probe_signature`) does not hold, such as a global flag it reads.
-    """
-    if model is None:
-        _known.clear()
-    else:
-        _known.pop(model, None)
-
-
 def prepare_vjp(
     model: nn.Module,
     inputs: Inputs,
@@ -395,12 +255,12 @@ def prepare_vjp(
     (:mod:`fslr_func.probe.connectivity`). Arguments are those of
     :func:`fslr_func.probe.sampling.run_probe`.
 
-    When an earlier probe of the same model with the same :func:`probe_signature` succeeded
-    (:func:`remember`), what it found is reused: names, shapes and connectivity are not
-    checked again, the readout is not searched for, and ``"auto"`` and ``"timed"`` take the
-    path that ran then (plain autograd at once where torch.func failed). The checks of the
-    values (NaN or Inf in ``delta``, the inputs and the output, with ``strict``) run on
-    every call.
+    When an earlier probe of the same model with the same signature succeeded
+    (:mod:`fslr_func.probe.forward_cache`), what it found is reused: names, shapes and
+    connectivity are not checked again, the readout is not searched for, and ``"auto"`` and
+    ``"timed"`` take the path that ran then (plain autograd at once where torch.func
+    failed). The checks of the values (NaN or Inf in ``delta``, the inputs and the output,
+    with ``strict``) run on every call.
 
     Raises:
         ValueError: bad names or shapes (:func:`~fslr_func.probe.functional.evaluation_point`); a
@@ -408,16 +268,16 @@ def prepare_vjp(
             NaN or Inf in ``delta``, the inputs or the output.
     """
     signature = probe_signature(model, inputs, delta, params, options)
-    known = None if signature is None else _known.get(model, {}).get(signature)
+    cached = known(model, signature)
     tensors, point = evaluation_point(
-        model, delta, params, finite=strict, checked=known is not None
+        model, delta, params, finite=strict, checked=cached is not None
     )
     check_inputs(inputs, finite=strict)
     primals = {n: point[n] for n in delta}
     fixed = {n: t for n, t in point.items() if n not in delta}
     readout, strategy = options.readout, options.strategy
 
-    finder = ReadoutFinder(model) if readout == "auto" and known is None else None
+    finder = ReadoutFinder(model) if readout == "auto" and cached is None else None
     found: list[str | None] = []
     out_shape: list[torch.Size] = []
     last_state: list[dict[str, Tensor]] = []
@@ -425,7 +285,7 @@ def prepare_vjp(
     def flat_output(p: dict[str, Tensor]) -> Tensor:
         state = {**fixed, **tensors.constants(), **p}
         last_state[:] = [state]
-        if known is not None:  # the same forward passed the checks below before
+        if cached is not None:  # the same forward passed the checks below before
             raw = model_forward(
                 model, state, inputs, options.output_fn, forward_seed=options.forward_seed
             )
@@ -442,7 +302,7 @@ def prepare_vjp(
         out_shape.append(out.shape)
         return out.reshape(-1)
 
-    use: Strategy = strategy if known is None else known.strategy
+    use: Strategy = strategy if cached is None else cached.strategy
     try:
         if use == "autograd":
             raise NotImplementedError("autograd requested")
@@ -464,8 +324,8 @@ def prepare_vjp(
         use = "autograd"
 
     check_output(out, finite=strict)
-    if known is not None:
-        module_name, roles, views = known.readout_module, known.readout, known.views
+    if cached is not None:
+        module_name, roles, views = cached.readout_module, cached.readout, cached.views
     else:
         module_name = found[0] if found else (readout if readout != "auto" else None)
         last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1

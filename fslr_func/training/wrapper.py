@@ -30,9 +30,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..probe.functional import Inputs, check_single_process, readout_module
+from ..probe.functional import Inputs, check_single_process
 from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
+from ..probe.readout import readout_module
 from ..probe.sampling import GradientReduction, run_probe
 from ..stats.estimator import (
     EMA,

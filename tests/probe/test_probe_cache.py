@@ -1,4 +1,4 @@
-"""The probe's per-model cache of structural checks (fslr_func.probe.vjp.probe_signature).
+"""The probe's per-model cache of structural checks (fslr_func.probe.forward_cache.probe_signature).
 
 A second one-shot probe of the same model, parameters, shapes and options skips the
 connectivity check, the readout search and the name checks; anything that could change
@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
 import fslr_func as ff
-from fslr_func.probe import vjp
+from fslr_func.probe import forward_cache, vjp
 
 
 @pytest.fixture
@@ -155,7 +155,7 @@ def test_values_are_checked_on_every_call():
 def test_the_cache_does_not_keep_a_model_alive():
     model = MLP()
     estimate(model, torch.randn(8, 5), random_delta(model))
-    assert model in vjp._known
+    assert model in forward_cache._known
     ref = weakref.ref(model)
     del model
     gc.collect()
@@ -165,11 +165,11 @@ def test_the_cache_does_not_keep_a_model_alive():
 def test_at_most_a_few_signatures_are_kept_per_model():
     model = MLP()
     delta = random_delta(model)
-    for batch in range(1, vjp.KNOWN_PER_MODEL + 4):
+    for batch in range(1, forward_cache.KNOWN_PER_MODEL + 4):
         estimate(model, torch.randn(batch, 5), delta)
-    assert len(vjp._known[model]) == vjp.KNOWN_PER_MODEL
-    vjp.forget(model)
-    assert model not in vjp._known
+    assert len(forward_cache._known[model]) == forward_cache.KNOWN_PER_MODEL
+    forward_cache.forget(model)
+    assert model not in forward_cache._known
 
 
 class NonReentrant(nn.Module):

@@ -1,0 +1,111 @@
+"""The readout layer: the leaf module whose output *is* the model output, found during the
+probe's forward (:class:`ReadoutFinder`) or named by the user (:func:`readout_module`), and the
+roles its tensors play in the estimators (:func:`readout_roles`: the row-independent variants
+of the paper's readout appendix).
+
+Examples:
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    >>> with ReadoutFinder(model) as finder:
+    ...     out = model(torch.randn(5, 3))
+    >>> finder.find(out)
+    '2'
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..stats.estimator import ReadoutRole
+
+__all__ = ["ReadoutFinder", "readout_module", "readout_roles"]
+
+
+class ReadoutFinder:
+    """Finds the readout layer: the leaf module whose output *is* the model output.
+
+    Forward hooks on the leaf modules remember each output during one forward; the module
+    whose output is the very tensor the model returns (after ``output_fn``) is the readout. A
+    readout weight that is tied to another tensor (GPT-2's head and embedding) is not given the
+    row-independent estimator, since the independence argument needs the weight to act only
+    in the readout.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self._seen: list[tuple[str, Tensor]] = []
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> ReadoutFinder:
+        for name, module in self.model.named_modules():
+            if next(module.children(), None) is None:
+                self._handles.append(module.register_forward_hook(self._hook(name)))
+        return self
+
+    def _hook(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if isinstance(output, Tensor):
+                self._seen.append((name, output))
+
+        return hook
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def find(self, output: Tensor) -> str | None:
+        """Name of the module whose output is ``output``, or ``None``; forgets what it saw."""
+        found = next((name for name, t in reversed(self._seen) if t is output), None)
+        self._seen.clear()
+        return found
+
+
+def readout_module(model: nn.Module, name: str) -> nn.Module:
+    """The submodule ``name`` given as ``readout=``.
+
+    Raises:
+        ValueError: no such module, with the closest leaf-module names.
+    """
+    try:
+        return model.get_submodule(name)
+    except AttributeError as err:
+        names = [n for n, m in model.named_modules() if next(m.children(), None) is None]
+        close = difflib.get_close_matches(name, names, n=3)
+        raise ValueError(
+            f"readout={name!r} is not a module of the model"
+            + (f"; did you mean {close}?" if close else "")
+        ) from err
+
+
+def readout_roles(
+    model: nn.Module, module_name: str | None, trainable: Mapping[str, Tensor], num_outputs: int
+) -> dict[str, ReadoutRole]:
+    """Map the readout module's own weight/bias names to ``"weight"``/``"bias"``.
+
+    Only parameters of the right shape (weight ``(K, d)``, bias ``(K,)`` with ``K`` the size
+    of the output's last dim) that are not tied elsewhere get a role.
+    """
+    if module_name is None:
+        return {}
+    module = readout_module(model, module_name)
+    prefix = f"{module_name}." if module_name else ""
+    roles: dict[str, ReadoutRole] = {}
+    weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+    w_name, b_name = prefix + "weight", prefix + "bias"
+    uses = sum(p is weight for _, p in model.named_parameters(remove_duplicate=False))
+    if (
+        isinstance(weight, Tensor)
+        and w_name in trainable
+        and uses == 1
+        and weight.dim() == 2
+        and weight.shape[0] == num_outputs
+    ):
+        roles[w_name] = "weight"
+    if isinstance(bias, Tensor) and b_name in trainable and bias.shape == (num_outputs,):
+        roles[b_name] = "bias"
+    return roles
