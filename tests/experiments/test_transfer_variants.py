@@ -19,6 +19,24 @@ from fslr_func.experiments.variants import (
 )
 
 
+def _tiny_flerm(**changes: object) -> dict[str, object]:
+    """A FLeRM-only ResMLP sweep small enough for a test (a few steps, one rate and seed)."""
+    return {
+        "width": 4,
+        "depth": 2,
+        "lrs": (0.01,),
+        "last": 1,
+        "seeds": 1,
+        "num_samples": 500,
+        "batch_size": 16,
+        "samples": 4,
+        "warmup_samples": 4,
+        "every": 2,
+        "modes": ("flerm",),
+        **changes,
+    }
+
+
 def _net(width: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -88,21 +106,7 @@ def test_hidden_width_policy_scales_only_two_infinite_dims():
 
 
 def test_hidden_width_variant_sets_hidden_rates_up_by_the_factor(tmp_path):
-    common = dict(
-        width=4,
-        depth=2,
-        scales=(1, 4),
-        lrs=(0.01,),
-        steps=3,
-        last=1,
-        seeds=1,
-        num_samples=500,
-        batch_size=16,
-        samples=4,
-        warmup_samples=4,
-        every=2,
-        modes=("flerm",),
-    )
+    common = _tiny_flerm(scales=(1, 4), steps=3)
     plain = run_sweep(SweepConfig(**common), tmp_path / "plain", quiet=True)
     var = run_sweep(
         SweepConfig(**common, flerm_variant="hidden_sqrt"), tmp_path / "var", quiet=True
@@ -116,21 +120,7 @@ def test_hidden_width_variant_sets_hidden_rates_up_by_the_factor(tmp_path):
 
 
 def test_feature_variant_rescales_only_hidden_tensors_by_the_measured_gain(tmp_path):
-    common = dict(
-        width=4,
-        depth=2,
-        scales=(1, 8),
-        lrs=(0.01,),
-        steps=3,
-        last=1,
-        seeds=1,
-        num_samples=500,
-        batch_size=16,
-        samples=4,
-        warmup_samples=4,
-        every=2,
-        modes=("flerm",),
-    )
+    common = _tiny_flerm(scales=(1, 8), steps=3)
     plain = run_sweep(SweepConfig(**common), tmp_path / "plain", quiet=True)
     var = run_sweep(SweepConfig(**common, flerm_variant="feature"), tmp_path / "var", quiet=True)
     gains = ff.FSLRRecord.load(tmp_path / "var" / "records" / "lr=0.01_seed=0.json").meta[
@@ -147,21 +137,7 @@ def test_feature_variant_rescales_only_hidden_tensors_by_the_measured_gain(tmp_p
 
 
 def test_feature_window_hidden_only_rematches_hidden_tensors_only(tmp_path):
-    common = dict(
-        width=4,
-        depth=2,
-        scales=(1, 8),
-        lrs=(0.01,),
-        steps=12,
-        last=1,
-        seeds=1,
-        num_samples=500,
-        batch_size=16,
-        samples=4,
-        warmup_samples=4,
-        every=2,
-        modes=("flerm",),
-    )
+    common = _tiny_flerm(scales=(1, 8), steps=12)
     runs = {}
     for v in ("feature_window30", "feature_window30h"):
         res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
