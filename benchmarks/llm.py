@@ -19,7 +19,7 @@ blocks back and the resident-set high-water mark is the live peak, DESIGN.md):
 * ``chunk1``, ``chunk2``: the same with ``chunk_size=1`` and ``2``;
 * ``sequential``: the paper's method, S times a fresh forward, ``phi = omega . F / sqrt(M)`` and
   ``torch.autograd.grad``, then the same statistics of ``Z = delta * grad``
-  (:func:`fslr_func.stats.estimator.product_log_statistics`).
+  (:class:`fslr_func.stats.statistics.ProductStatistics`).
 
 A child builds the model, the unit-learning-rate ``delta`` (``--delta adam``: the first Adam
 step's update at ``lr = 1``, ``-g / (|g| + eps)``; ``--delta random``: ``1e-3`` Gaussian) and
@@ -61,7 +61,7 @@ from _memory import status_mib  # benchmarks/ is on sys.path when run as a scrip
 from torch import Tensor, nn
 
 import fslr_func as ff
-from fslr_func.stats.estimator import ScaledUpdate, product_log_statistics
+from fslr_func.stats.statistics import ProductStatistics, ScaledUpdate
 
 VOCAB = 128_256
 BATCH = 8
@@ -140,7 +140,7 @@ def sequential(ctx: Context) -> None:
     names = list(ctx.delta)
     params = dict(ctx.model.named_parameters())
     wrt = [params[n] for n in names]
-    updates = {n: ScaledUpdate.of(d) for n, d in ctx.delta.items()}  # once, as the probe does
+    statistics = ProductStatistics({n: ScaledUpdate.of(d) for n, d in ctx.delta.items()})  # once
     stats = []
     for _ in range(ctx.samples):
         out = logits(ctx.model(ctx.ids)).reshape(-1)
@@ -149,9 +149,7 @@ def sequential(ctx: Context) -> None:
         del omega
         grads = torch.autograd.grad(phi, wrt)
         del out, phi
-        stats.append(
-            {n: product_log_statistics(g, updates[n]) for n, g in zip(names, grads, strict=True)}
-        )
+        stats.append(statistics(dict(zip(names, grads, strict=True))))
 
 
 def step_case(ctx: Context) -> Callable[[], object]:

@@ -12,7 +12,7 @@ rotated from round to round, so that a shared machine's drifting load hits all a
 * ``estimate``: the one-shot ``ff.estimate(model, x, delta, samples=S)``, default options;
 * ``sequential`` (the paper's method): for each of the S omegas a fresh forward and backward
   of ``phi = sum(omega * F) / sqrt(M)`` and the same statistics of ``Z = delta * grad``
-  (:func:`fslr_func.stats.estimator.product_log_statistics`, the update scaled once);
+  (:class:`fslr_func.stats.statistics.ProductStatistics`, the updates scaled once);
 * ``measure``: the wrapper's ``with fm.measure(opt, x): opt.step()`` around a plain SGD step,
   and ``sgd step``: the same step alone, whose time is subtracted;
 * ``forward``, ``forward+backward``: a plain forward building the graph, and a fresh forward
@@ -61,7 +61,7 @@ from torch import Tensor, nn
 import fslr_func as ff
 import fslr_func.probe.sampling as probe_module
 from fslr_func.experiments import ResMLP, Transformer
-from fslr_func.stats.estimator import ScaledUpdate, product_log_statistics
+from fslr_func.stats.statistics import ProductStatistics, ScaledUpdate
 
 LABELS = {
     "resmlp": "ResMLP width 512, 4 blocks, batch 256",
@@ -103,11 +103,9 @@ def phi_gradients(model: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
 def sequential_probe(model: nn.Module, x: Tensor, delta: dict[str, Tensor], samples: int) -> None:
     """The paper's method: a fresh forward and backward of phi for every omega sample."""
     names = [n for n, _ in model.named_parameters()]
-    updates = {n: ScaledUpdate.of(d) for n, d in delta.items()}  # once, as the probe does
+    statistics = ProductStatistics({n: ScaledUpdate.of(d) for n, d in delta.items()})  # once
     for _ in range(samples):
-        grads = phi_gradients(model, x)
-        for n, g in zip(names, grads, strict=True):
-            product_log_statistics(g, updates[n])
+        statistics(dict(zip(names, phi_gradients(model, x), strict=True)))
 
 
 def ceiling(samples: int, forward: float, backward: float) -> float:
@@ -166,7 +164,7 @@ def split_timers(totals: dict[str, float]) -> Iterator[None]:
 
         return wrapper
 
-    prepare, stats = probe_module.prepare_vjp, probe_module.product_log_statistics
+    prepare, stats = probe_module.prepare_vjp, ProductStatistics.__call__
 
     def prepare_timed(*args: Any, **kwargs: Any) -> Any:
         setup = timed("forward", prepare)(*args, **kwargs)
@@ -174,12 +172,12 @@ def split_timers(totals: dict[str, float]) -> Iterator[None]:
         return setup
 
     probe_module.prepare_vjp = prepare_timed  # type: ignore[assignment]
-    probe_module.product_log_statistics = timed("statistics", stats)
+    ProductStatistics.__call__ = timed("statistics", stats)  # type: ignore[method-assign]
     try:
         yield
     finally:
         probe_module.prepare_vjp = prepare
-        probe_module.product_log_statistics = stats
+        ProductStatistics.__call__ = stats  # type: ignore[method-assign]
 
 
 def profile_split(kind: str, samples: int, rounds: int) -> dict[str, float]:

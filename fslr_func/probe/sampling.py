@@ -4,8 +4,8 @@ For outputs ``F`` flattened to ``M`` elements and ``omega`` with i.i.d. zero-mea
 entries, the probe ``phi = sum(omega * F) / sqrt(M)`` has gradient ``g = J^T omega / sqrt(M)``.
 The forward runs once under :func:`torch.func.vjp` (:mod:`fslr_func.probe.vjp`); the returned
 ``vjp_fn`` is then applied to every omega, and each sample is reduced at once to the ``D + 2``
-log statistics of ``Z = dW * g`` (:func:`fslr_func.stats.estimator.product_log_statistics`), so only
-statistics leave the per-sample function. With ``strategy="vmap"`` the samples go through
+log statistics of ``Z = dW * g`` (:class:`fslr_func.stats.statistics.ProductStatistics`), so
+only statistics leave the per-sample function. With ``strategy="vmap"`` the samples go through
 :func:`torch.func.vmap` in chunks of ``chunk_size`` (peak memory grows with the chunk, not
 with ``S``); ``"loop"`` applies ``vjp_fn`` once per sample; ``"autograd"`` uses plain
 ``torch.autograd.grad`` for models that torch.func cannot trace. ``"auto"`` (the default)
@@ -39,13 +39,12 @@ from torch.func import vmap
 from ..stats.estimator import (
     Estimator,
     ReadoutRole,
-    ScaledUpdate,
     check_estimator,
     fslr_from_log,
     log_sq_norm,
     mean_log_stats,
-    product_log_statistics,
 )
+from ..stats.statistics import ProductStatistics, ScaledUpdate
 from .fallback import first_line, warn_once
 from .functional import Inputs
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
@@ -359,9 +358,7 @@ def _sample(
 
     # Each update is scaled by its power of two once, outside the sampled function.
     updates = {n: ScaledUpdate.of(d, log_shift) for n, d in delta.items()}
-
-    def statistics(grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        return {n: product_log_statistics(grads[n], u, setup.views[n]) for n, u in updates.items()}
+    statistics = ProductStatistics(updates, setup.views)
 
     def draw(count: int) -> Tensor:
         for row in buffer[:count]:

@@ -1,8 +1,8 @@
-r"""Statistics of ``Z`` and the FSLR estimators built from them (pure tensor functions).
+r"""The FSLR estimators built from the statistics of ``Z`` (pure tensor functions).
 
 For one parameter tensor ``W`` of rank ``D`` with unit-learning-rate update ``dW`` and probe
 gradient ``g = d phi / d W``, the probe produces ``Z = dW * g``. Everything the estimators need
-is ``D + 2`` scalars per sample:
+is the ``D + 2`` scalars per sample of :mod:`fslr_func.stats.statistics`:
 
 .. math::
 
@@ -25,7 +25,6 @@ The FSLR is the square root of the estimate.
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -104,164 +103,6 @@ def grouped_shape(name: str, shape: Sequence[int], grouping: Grouping = "auto") 
     return shape
 
 
-def _stat_dtype(dtype: torch.dtype) -> torch.dtype:
-    """At least float32 for accumulating statistics, whatever the parameter dtype (bf16, fp16)."""
-    return torch.promote_types(dtype, torch.float32)
-
-
-_LOG4 = 2.0 * math.log(2.0)
-
-
-@functools.cache
-def _exponent_range(dtype: torch.dtype) -> tuple[int, int]:
-    """Exponents ``e`` for which ``2**-e`` is a normal number of ``dtype``: ``[-127, 126]``
-    for float32, ``[-1023, 1022]`` for float64."""
-    info = torch.finfo(dtype)
-    return 1 - math.frexp(info.max)[1], 1 - math.frexp(info.tiny)[1]
-
-
-def scale_exponent(z: Tensor) -> Tensor:
-    r"""The power of two that brings ``max |Z|`` to ``[1/2, 1)``: an int tensor ``k``, 0-d.
-
-    ``max |Z| = m 2^e`` with ``m`` in ``[1/2, 1)`` (:func:`torch.frexp`, read from the
-    exponent bits, so subnormals are exact too) and ``k = -e``, clamped so that ``2^k`` is a
-    normal number of ``z``'s dtype. The largest magnitude of ``Z 2^k`` then lies in
-    ``[2^{-22}, 4)`` for float32 (``[2^{-51}, 4)`` for float64) whatever ``Z``'s, and
-    ``Z 2^k`` is exact but for entries more than ``2^{125}`` below the largest, which lose
-    bits where they weigh less than ``2^{-125}`` of it in any statistic. An all-zero
-    ``Z`` gets ``k = 0``; a NaN or infinite ``Z`` some ``k`` in range (its statistics are then
-    NaN or infinite, which :func:`valid_log` refuses). Two reads of ``Z`` (max and min: no
-    temporary of its size); no host synchronisation; works under :func:`torch.func.vmap`.
-
-    Examples:
-        >>> int(scale_exponent(torch.tensor([3.0, -6.0])))  # 6 = 0.75 * 2**3
-        -3
-        >>> int(scale_exponent(torch.tensor([1e-39])))  # subnormal: 2**129 is no float32
-        127
-    """
-    peak = torch.maximum(z.amax(), -z.amin())
-    low, high = _exponent_range(z.dtype)
-    return -torch.frexp(peak).exponent.clamp(low, high)
-
-
-def _log_statistics_(u: Tensor, k: Tensor, log_factor: Tensor | float) -> Tensor:
-    """The log statistics of ``Z`` from ``u = 2^k Z`` (overwritten: it is squared in place)."""
-    sums = [u.sum(d).to(torch.float64) for d in range(u.dim())]
-    total = (sums[0] if sums else u.to(torch.float64)).sum()
-    parts = [u.mul_(u).sum().to(torch.float64)]
-    parts += [s.square().sum() for s in sums]
-    parts.append(total.square())
-    log_q = torch.stack(parts).log().sub_(k.to(torch.float64), alpha=_LOG4)
-    return log_q.add_(log_factor)
-
-
-def log_statistics(z: Tensor) -> Tensor:
-    r"""Log of the ``D + 2`` per-sample statistics of one ``Z`` (any rank ``D >= 0``).
-
-    ``Z`` (cast to at least float32) is multiplied by the power of two ``2^k`` of
-    :func:`scale_exponent`, which is exact and brings its largest magnitude near 1, so no
-    square or sum below overflows or underflows; ``2 k \log 2`` comes off in log space:
-
-    .. math::
-
-        \log q(Z) = \log q(2^k Z) - 2 k \log 2 .
-
-    The reductions run in the statistic dtype (pairwise summation, accurate over millions of
-    elements); the per-dim sums are squared and summed in float64. Finite and correct for
-    every finite ``Z`` of float32, bfloat16 and float16, subnormals included, and finite
-    for every finite float64 ``Z``.
-    Passes over ``Z``: max and min, the scaling, one
-    per dim for its sums (``q_full`` is the sum of the first dim's sums), the square in place
-    and its sum. Works under :func:`torch.func.vmap` (no data-dependent control flow) and
-    never synchronises with the host. :func:`product_log_statistics` is the same for
-    ``Z = g * dW`` formed from a gradient and a pre-scaled update (the probe's case).
-
-    Args:
-        z: ``dW * g`` for one sample, shape of the (grouped) parameter.
-
-    Returns:
-        float64 tensor ``[log q_0, log q_{d=0}, ..., log q_{d=D-1}, log q_full]`` (``-inf``
-        where a statistic is exactly zero; NaN or ``+inf`` where ``Z`` is not finite).
-
-    Examples:
-        >>> z = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-        >>> log_statistics(z).exp().round()
-        tensor([ 30.,  52.,  58., 100.], dtype=torch.float64)
-        >>> log_statistics(z * 1e-39).exp() / 1e-78  # subnormal float32: same statistics
-        tensor([ 30.0000,  52.0000,  58.0000, 100.0000], dtype=torch.float64)
-    """
-    z = z.detach().to(_stat_dtype(z.dtype))
-    k = scale_exponent(z)
-    return _log_statistics_(z * torch.exp2(k.to(z.dtype)), k, 0.0)
-
-
-@dataclass(frozen=True)
-class ScaledUpdate:
-    r"""An update ``dW`` prepared once per probe for :func:`product_log_statistics`.
-
-    ``tensor`` is ``2^k dW`` in the statistic dtype (at least float32), ``k`` from
-    :func:`scale_exponent`, so that the product with a gradient neither underflows (an update
-    of ``1e-39`` times a gradient of ``1e-3`` is below float32's smallest subnormal) nor
-    loses the bits of a subnormal; ``log_factor`` is what comes back in log space,
-    ``-2 k log 2`` plus the ``shift`` asked for (the probe's ``-log M``).
-
-    Examples:
-        >>> u = ScaledUpdate.of(torch.tensor([1e-30, -3e-30]))  # 2**98 times the update
-        >>> u.tensor, round(float(-u.log_factor / (2 * math.log(2))))
-        (tensor([ 0.3169, -0.9507]), 98)
-    """
-
-    tensor: Tensor
-    log_factor: Tensor
-
-    @classmethod
-    def of(cls, delta: Tensor, shift: float = 0.0) -> ScaledUpdate:
-        """Scale ``delta`` by its power of two; ``shift`` is added to every log statistic."""
-        d = delta.detach().to(_stat_dtype(delta.dtype))
-        k = scale_exponent(d)
-        log_factor = shift - _LOG4 * k.to(torch.float64)
-        return cls(d * torch.exp2(k.to(d.dtype)), log_factor)
-
-
-def product_log_statistics(
-    grad: Tensor, update: ScaledUpdate, view: Sequence[int] | None = None
-) -> Tensor:
-    r""":func:`log_statistics` of ``Z = grad * dW`` (viewed as ``view``), plus the shift.
-
-    The gradient is brought near 1 by its own power of two ``2^j`` (:func:`scale_exponent`)
-    as it is cast to the statistic dtype, then multiplied in place by the update, pre-scaled
-    once per probe outside the sampled loop (:class:`ScaledUpdate`). Both factors then have
-    their largest magnitude in ``[2^{-22}, 4)``, so their product rounds as a product of
-    normal numbers even where the gradient or the update is subnormal, ``|2^j 2^k Z| < 16``
-    cannot overflow in any square or sum, and ``2 (j + k) \log 2`` comes off in log space.
-    The one temporary, the size of the tensor, is written once and then updated in place.
-    Finite and correct (to float32 rounding) for every finite update and gradient of
-    float32, bfloat16 and float16, whatever their magnitudes. Precision is lost only where
-    every entry of the scaled ``Z`` is below ``2^{-63}`` (squares below float32's normal
-    range) although each factor has entries near 1: the gradient's large entries all meeting
-    the update's tiny ones, a pattern of values, not of magnitude, that no optimiser's
-    update has with the gradient it came from.
-
-    Args:
-        grad: ``d phi / d W`` for one sample (any floating dtype; not modified).
-        update: the update, from :meth:`ScaledUpdate.of`.
-        view: the shape ``Z`` is viewed as (:func:`grouped_shape`); ``None``: ``grad``'s.
-
-    Examples:
-        >>> g, d = torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.full((2, 2), 1e-39)
-        >>> got = product_log_statistics(g * 1e-40, ScaledUpdate.of(d))  # 1e-79: no float32
-        >>> torch.allclose(got, log_statistics(g.double() * 1e-79), rtol=1e-6)
-        True
-    """
-    g = grad.detach()
-    dtype = torch.promote_types(_stat_dtype(g.dtype), update.tensor.dtype)
-    j = scale_exponent(g)
-    factor = torch.exp2(j.to(dtype))
-    z = g * factor if g.dtype == dtype else g.to(dtype).mul_(factor)  # never g itself
-    z = z.mul_(update.tensor)
-    return _log_statistics_(z if view is None else z.reshape(view), j, update.log_factor)
-
-
 def mean_log_stats(log_stats: Tensor) -> Tensor:
     """Log of the mean over samples (dim 0) of statistics given in log space.
 
@@ -288,8 +129,8 @@ def log_sq_norm(
         A float64 scalar; ``-inf`` when the estimate is exactly zero.
 
     Examples:
-        >>> z = torch.tensor([[1.0, 2.0], [3.0, 4.0]])
-        >>> ls = log_statistics(z)
+        >>> q = [30.0, 52.0, 58.0, 100.0]  # the statistics of Z = [[1, 2], [3, 4]]
+        >>> ls = torch.tensor(q, dtype=torch.float64).log()
         >>> round(float(log_sq_norm(ls, "kron").exp()), 4)  # 52 * 58 / 30
         100.5333
         >>> round(float(log_sq_norm(ls, "kron", readout="weight").exp()), 4)  # 3^2 + 7^2

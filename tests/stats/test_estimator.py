@@ -13,9 +13,9 @@ from fslr_func.stats.estimator import (
     EMA,
     fslr_from_log,
     log_sq_norm,
-    log_statistics,
     mean_log_stats,
 )
+from fslr_func.stats.statistics import log_statistics
 
 shapes = st.lists(st.integers(1, 4), min_size=0, max_size=5).map(tuple)
 

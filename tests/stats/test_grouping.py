@@ -19,7 +19,8 @@ from torch.func import functional_call
 
 import fslr_func as ff
 from fslr_func.probe.sampling import draw_omega, probe
-from fslr_func.stats.estimator import GROUPINGS, grouped_shape, log_statistics
+from fslr_func.stats.estimator import GROUPINGS, grouped_shape
+from fslr_func.stats.statistics import log_statistics
 
 
 class ConvNet(nn.Module):

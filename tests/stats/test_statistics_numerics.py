@@ -20,11 +20,11 @@ from torch import Tensor
 from torch.func import vmap
 
 import fslr_func as ff
-from fslr_func.stats.estimator import (
+from fslr_func.stats.estimator import log_sq_norm, mean_log_stats
+from fslr_func.stats.statistics import (
+    ProductStatistics,
     ScaledUpdate,
-    log_sq_norm,
     log_statistics,
-    mean_log_stats,
     product_log_statistics,
     scale_exponent,
 )
@@ -87,6 +87,32 @@ def test_statistics_of_a_product_equal_the_float64_definition(dtype, shape, seed
     got = vmap(lambda g: product_log_statistics(g, ScaledUpdate.of(delta, shift)))(grads)
     for row, g in zip(got, grads, strict=True):
         assert_matches(row - shift, g.double() * delta.double())
+
+
+@given(
+    shapes=st.lists(shapes, min_size=1, max_size=6),
+    dtypes=st.lists(st.sampled_from(DTYPES), min_size=6, max_size=6),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_statistics_of_every_tensor_at_once_equal_the_float64_definition(
+    shapes, dtypes, seed, data
+):
+    """One sample's tensors of mixed ranks, dtypes and magnitudes in one call (their log,
+    scale and shift applied together), viewed as given shapes where one is asked for."""
+    updates, grads, views, want = {}, {}, {}, {}
+    for i, (shape, dtype) in enumerate(zip(shapes, dtypes, strict=False)):
+        name = f"t{i}"
+        g = values(shape, seed + 2 * i, data.draw(magnitudes(dtype)), dtype)
+        d = values(shape, seed + 2 * i + 1, data.draw(magnitudes(dtype)), dtype)
+        updates[name], grads[name] = ScaledUpdate.of(d, -1.5), g
+        if len(shape) >= 3:  # the kron grouping's matrix view of a rank >= 3 tensor
+            views[name] = (shape[0], math.prod(shape[1:]))
+        want[name] = (g.double() * d.double()).reshape(views.get(name, shape))
+    got = ProductStatistics(updates, views)(grads)
+    assert list(got) == list(updates)
+    for name, z64 in want.items():
+        assert_matches(got[name] + 1.5, z64)
 
 
 def few_bits(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor:
