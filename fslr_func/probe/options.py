@@ -75,8 +75,11 @@ class ProbeOptions:
         strategy: ``"auto"`` (vmap, or on a CPU a loop for conv nets and for large probes:
             decided from the model, the device and the shapes,
             :func:`fslr_func.probe.vjp.default_strategy`, so reruns agree bit for bit; falls back,
-            with one warning, where a path fails), ``"vmap"``, ``"loop"``, ``"autograd"`` (plain
-            ``torch.autograd.grad``, for models torch.func cannot trace) or ``"timed"`` (time
+            with one warning, where a path fails), ``"vmap"``, ``"loop"`` (one backward per
+            sample through the one forward's graph, by plain ``torch.autograd.grad``: the same
+            arithmetic as a loop of ``torch.func`` vjps, with less overhead, and for models
+            torch.func cannot trace too), ``"autograd"`` (the same, named for the fallback)
+            or ``"timed"`` (time
             vmap against the loop on the first chunk and keep the faster: may differ from run
             to run in path and rounding; falls back as ``"auto"`` does).
         grouping: Kronecker factors of tensors of rank 3 or more

@@ -303,17 +303,24 @@ def prepare_vjp(
         return out.reshape(-1)
 
     use: Strategy = strategy if cached is None else cached.strategy
-    try:
-        if use == "autograd":
-            raise NotImplementedError("autograd requested")
-        out, vjp_fn = _func_vjp(flat_output, primals)
-    except (RuntimeError, NotImplementedError) as err:
-        if strategy not in ("auto", "timed", "autograd"):
-            raise
-        found.clear()
-        out_shape.clear()
-        out, vjp_fn = _autograd_vjp(flat_output, primals, lambda: substituted(model, last_state[0]))
-        if use != "autograd":
+
+    def backward_context() -> contextlib.AbstractContextManager[None]:
+        return substituted(model, last_state[0])
+
+    if use in ("autograd", "loop"):
+        # A loop maps nothing over the samples: plain autograd runs the same backward, bit
+        # for bit, without torch.func's wrapping of every call (3-5% of a probe on the
+        # benchmark models, docs/benchmarks.md).
+        out, vjp_fn = _autograd_vjp(flat_output, primals, backward_context)
+    else:
+        try:
+            out, vjp_fn = _func_vjp(flat_output, primals)
+        except (RuntimeError, NotImplementedError) as err:
+            if strategy not in ("auto", "timed"):
+                raise
+            found.clear()
+            out_shape.clear()
+            out, vjp_fn = _autograd_vjp(flat_output, primals, backward_context)
             warn_once(
                 model,
                 "autograd",
@@ -321,7 +328,7 @@ def prepare_vjp(
                 f"FSLR probe falls back to plain autograd, one backward per sample (same "
                 f"result, slower)",
             )
-        use = "autograd"
+            use = "autograd"
 
     check_output(out, finite=strict)
     if cached is not None:

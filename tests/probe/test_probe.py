@@ -245,3 +245,22 @@ def test_auto_loops_over_the_samples_of_a_large_cpu_probe_and_batches_a_small_on
     assert probe(big, torch.randn(rows // 2, 512), delta, samples=2).strategy == "vmap"
     small = MLP()
     assert probe(small, torch.randn(8, 5), random_delta(small), samples=2).strategy == "vmap"
+
+
+def test_a_loop_runs_the_same_backward_on_plain_autograd_bit_for_bit():
+    """``auto``'s first probe of a conv net runs under torch.func.vjp and resolves to the
+    loop; the next ones (cached) loop over plain autograd, as ``strategy="loop"`` does: the
+    same arithmetic, so every probe agrees bit for bit with every other."""
+    torch.manual_seed(0)
+    conv = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(9, 2))
+    x, delta = torch.randn(4, 2, 5), random_delta(conv)
+
+    def run(strategy: str) -> dict[str, torch.Tensor]:
+        gen = torch.Generator().manual_seed(1)
+        result = probe(conv, x, delta, samples=3, strategy=strategy, generator=gen)
+        assert result.strategy == "loop"
+        return result.log_stats
+
+    first, cached, explicit = run("auto"), run("auto"), run("loop")
+    for n in delta:
+        assert torch.equal(first[n], cached[n]) and torch.equal(first[n], explicit[n]), n
