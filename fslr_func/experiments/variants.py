@@ -74,7 +74,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import itertools
+import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -84,21 +84,18 @@ import torch
 
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
-from ..probe.names import block_role
 from ..training import policies
+from ..training.feature_gains import hidden_fan_in
 from ..training.flerm import FLeRM, SetPoint
 from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
 
 __all__ = [
     "VARIANTS",
-    "FeatureFLeRM",
-    "GainRecorder",
+    "FeatureWindowFLeRM",
     "HiddenWidthPolicy",
     "Variant",
     "WindowFLeRM",
-    "feature_gains",
-    "hidden_fan_in",
     "window_ratios",
 ]
 
@@ -228,34 +225,6 @@ class WindowFLeRM(FLeRM):
         )
 
 
-def hidden_fan_in(
-    model: torch.nn.Module, base_shapes: Mapping[str, Sequence[int]]
-) -> dict[str, float]:
-    """The *hidden* tensors of ``model`` and their fan-in multipliers: tensors of rank 2 or more
-    whose dims 0 and 1 (fan-out, fan-in) both differ from the base's (muP's two infinite
-    dimensions); a tensor the base lacks (an extra block) is compared with its role in the base
-    (:func:`fslr_func.names.block_role`), as :func:`~fslr_func.experiments.mup.width_mults`
-    does.
-
-    Examples:
-        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 64))
-        >>> hidden_fan_in(net, {"0.weight": (16, 4), "0.bias": (16,), "1.weight": (16, 16),
-        ...                     "1.bias": (16,)})
-        {'1.weight': 4.0}
-    """
-    roles: dict[str, tuple[int, ...]] = {}
-    for name, shape in base_shapes.items():
-        roles.setdefault(block_role(name), tuple(shape))
-    out: dict[str, float] = {}
-    for name, p in model.named_parameters():
-        ref = tuple(base_shapes[name]) if name in base_shapes else roles.get(block_role(name))
-        if ref is None or p.dim() < 2 or len(ref) != p.dim():
-            continue
-        if p.shape[0] != ref[0] and p.shape[1] != ref[1]:
-            out[name] = p.shape[1] / ref[1]
-    return out
-
-
 class HiddenWidthPolicy:
     r"""A policy: ``inner``'s targets, hidden tensors' times :math:`m_\text{in}^\alpha`.
 
@@ -295,7 +264,8 @@ class HiddenWidthPolicy:
         self.inner = policies.resolve(inner)
         self.one_to_one = policies.is_one_to_one(self.inner)
         self.alpha = float(alpha)
-        self.factors = {n: m**self.alpha for n, m in hidden_fan_in(model, base_shapes).items()}
+        shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.factors = {n: m**self.alpha for n, m in hidden_fan_in(shapes, base_shapes).items()}
         self.__name__ = f"hidden_width(alpha={self.alpha:g})"
 
     def __call__(self, base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
@@ -304,145 +274,10 @@ class HiddenWidthPolicy:
         return {n: v * self.factors.get(n, 1.0) for n, v in targets.items()}
 
 
-class _Features(torch.nn.Module):
-    """``model.features`` (the readout's input) as a module's output; parameters ``m.<name>``."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        super().__init__()
-        self.m = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.m.features(x)  # type: ignore[operator,no-any-return]
-
-
-def feature_gains(
-    model: torch.nn.Module,
-    inputs: Any,
-    before: Mapping[str, torch.Tensor],
-) -> dict[str, float]:
-    r"""Per tensor, :math:`\|J_f \Delta W\|_\mathrm{RMS} / \|J_h \Delta W\|_\mathrm{RMS}`:
-    how much the output moves per unit of feature movement (``model.features``, the readout's
-    input) for the update ``params - before``, both by :func:`fslr_func.exact`. Tensors that
-    do not move the features (the readout) are left out.
-
-    Examples:
-        >>> class Net(torch.nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.a, self.b = torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)
-        ...     def features(self, x):
-        ...         return self.a(x)
-        ...     def forward(self, x):
-        ...         return self.b(self.features(x))
-        >>> _ = torch.manual_seed(0)
-        >>> net = Net()
-        >>> before = {n: p.detach().clone() for n, p in net.named_parameters()}
-        >>> with torch.no_grad():
-        ...     _ = net.a.weight.add_(0.1)
-        >>> sorted(feature_gains(net, torch.randn(8, 3), before))
-        ['a.weight']
-    """
-    from ..probe.exact import exact
-
-    params = dict(model.named_parameters())
-    delta = {n: p.detach() - before[n] for n, p in params.items()}
-    moved = {n for n, d in delta.items() if bool(d.ne(0).any())}
-    out = exact(model, inputs, {n: delta[n] for n in moved}, params=dict(before))
-    feat = exact(
-        _Features(model),
-        inputs,
-        {f"m.{n}": delta[n] for n in moved},
-        params={f"m.{n}": v for n, v in before.items()},
-    )
-    gains = {}
-    for n in moved:
-        o, f = float(out[n]), float(feat[f"m.{n}"])
-        if f > 0 and o > 0 and math.isfinite(o / f):
-            gains[n] = o / f
-    return gains
-
-
-class GainRecorder(Recorder):
-    """A :class:`~fslr_func.recorder.Recorder` that also stores, in ``record.meta
-    ["feature_gain"]``, :func:`feature_gains` of the base run's first update (on one probe
-    batch drawn at construction)."""
-
-    def __init__(self, fm: FSLRModule, probe_batches: Iterable[Inputs], **kwargs: Any) -> None:
-        it = iter(probe_batches)
-        self._gain_inputs = next(it)
-        # put the batch back: the probes (and so the record) are the plain recorder's
-        super().__init__(fm, itertools.chain([self._gain_inputs], it), **kwargs)
-        self._first = True
-
-    @contextlib.contextmanager
-    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Any]:
-        """The recorder's step; after the first one, the feature gains of its update."""
-        model = self.fm.module
-        before = (
-            {n: p.detach().clone() for n, p in model.named_parameters()} if self._first else None
-        )
-        with super().step(optimizer) as m:
-            yield m
-        if before is not None:
-            self._first = False
-            self.record.meta["feature_gain"] = feature_gains(model, self._gain_inputs, before)
-
-
-class FeatureFLeRM(FLeRM):
-    r"""Static FLeRM whose hidden tensors match the base's *feature* movement, measured.
-
-    FLeRM matches each tensor's output movement. For a hidden tensor (fan-out and fan-in both
-    grown, :class:`HiddenWidthPolicy`'s test) this rescales its rate after the set point by
-    :math:`G^{s}_W / G^{b}_W`, the gain from feature movement to output movement
-    (:func:`feature_gains`) of the scaled model's first update over the base's (read from
-    ``base.meta["feature_gain"]``, recorded by :class:`GainRecorder`; both on the first probe
-    batch, which the set point also uses), so that its movement of
-    the features (the readout's input, per coordinate) is the base's: :math:`\sqrt m` under the
-    standard parametrisation's readout if the update is aligned with it (the assumption of
-    :class:`HiddenWidthPolicy` with :math:`\alpha = 1/2`), measured here instead.
-    """
-
-    def __init__(
-        self,
-        fm: FSLRModule,
-        optimizer: torch.optim.Optimizer,
-        base: FSLRRecord,
-        *,
-        probe_batches: Iterable[Inputs],
-        **kwargs: Any,
-    ) -> None:
-        it = iter(probe_batches)
-        self._gain_inputs = next(it)
-        super().__init__(
-            fm, optimizer, base, probe_batches=itertools.chain([self._gain_inputs], it), **kwargs
-        )
-        self.hidden = list(hidden_fan_in(fm.module, base.shapes))
-        gain = base.meta.get("feature_gain")
-        if isinstance(gain, list):  # a seed mean keeps the first record's meta
-            gain = gain[0]
-        self.base_gain: dict[str, float] = dict(gain or {})
-        self.factors: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[None]:
-        """FLeRM's step; after the set point, the hidden tensors' ratios times the gains'."""
-        first = not self.history
-        model = self.fm.module
-        before = {n: p.detach().clone() for n, p in model.named_parameters()} if first else None
-        with super().step(optimizer):
-            yield
-        if before is not None and self.history:
-            gains = feature_gains(model, self._gain_inputs, before)
-            for n in self.hidden:
-                if n in gains and n in self.base_gain and n in self.ratios:
-                    self.factors[n] = gains[n] / self.base_gain[n]
-                    self.ratios[n] *= self.factors[n]
-
-
-class FeatureWindowFLeRM(FeatureFLeRM, WindowFLeRM):
-    """:class:`FeatureFLeRM`'s hidden-tensor factors on :class:`WindowFLeRM`'s rates: the
+class FeatureWindowFLeRM(WindowFLeRM):
+    """``match="features"``'s hidden-tensor factors on :class:`WindowFLeRM`'s rates: the
     step-0 set point and the window's re-match both match output movement, then each hidden
-    tensor's ratio is multiplied by its factor (measured once, after the step-0 set point).
+    tensor's ratio is multiplied by its factor (measured once, at the step-0 set point).
 
     Args:
         hidden_only: re-match only the hidden tensors in the window (the others keep their
@@ -450,16 +285,17 @@ class FeatureWindowFLeRM(FeatureFLeRM, WindowFLeRM):
             loss there (``benchmarks/transfer_boost.py``), while the hidden tensors' drift is
             what the conv nets' loss follows.
         *args: :class:`WindowFLeRM`'s.
-        **kwargs: :class:`WindowFLeRM`'s.
+        **kwargs: :class:`WindowFLeRM`'s (``match`` is ``"features"``).
     """
 
     def __init__(self, *args: Any, hidden_only: bool = False, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **{**kwargs, "match": "features"})
         self.hidden_only = hidden_only
 
     def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
-        keep = set(self.hidden) if self.hidden_only else set(ratios)
-        return {n: r * self.factors.get(n, 1.0) for n, r in ratios.items() if n in keep}
+        factors = self.feature_factors or {}
+        keep = set(factors) if self.hidden_only else set(ratios)
+        return {n: r * factors.get(n, 1.0) for n, r in ratios.items() if n in keep}
 
 
 @dataclass(frozen=True)
@@ -550,21 +386,23 @@ VARIANTS: dict[str, Variant] = {
         {"beta": 0.0, "samples": 32},
     ),
     "feature": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: FeatureFLeRM(fm, optimizer, base, **kw),
+        lambda fm, optimizer, base, *, steps, **kw: FLeRM(
+            fm, optimizer, base, match="features", **kw
+        ),
         "static FLeRM, hidden tensors re-scaled to the base's feature movement (measured)",
-        recorder=GainRecorder,
+        recorder=functools.partial(Recorder, feature_gains=True),
     ),
     "feature_window30": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM),
         "feature's hidden factors, rates matched at step 0 and over steps 10..30% of the budget",
         {"beta": 0.0, "samples": 32},
-        recorder=GainRecorder,
+        recorder=functools.partial(Recorder, feature_gains=True),
     ),
     "feature_window30h": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True),
         "feature_window30, the window re-matching the hidden tensors only",
         {"beta": 0.0, "samples": 32},
-        recorder=GainRecorder,
+        recorder=functools.partial(Recorder, feature_gains=True),
     ),
     "hidden_sqrt": Variant(
         _hidden_width(0.5),

@@ -56,6 +56,20 @@ def _column_means(columns: list[Sequence[float | None]]) -> list[float | None]:
     return out
 
 
+def _geometric_means(gains: list[dict[str, Any]]) -> dict[str, float]:
+    """Per tensor, the geometric mean of the seeds' feature gains (tensors with a gain that
+    is not a finite number > 0 in some seed are left out)."""
+
+    def usable(g: Any) -> bool:
+        return isinstance(g, (int, float)) and 0 < g < math.inf
+
+    return {
+        n: math.exp(sum(math.log(g[n]) for g in gains) / len(gains))
+        for n in gains[0]
+        if all(usable(g.get(n)) for g in gains)
+    }
+
+
 def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
     """The fields (``steps``, ``fslr``, ``lrs``, ``sched``, ``meta``) of the mean record.
 
@@ -71,6 +85,9 @@ def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
         seeds.extend(seed if isinstance(seed, list) else [seed])
     meta = copy.deepcopy(dict(first.meta))
     meta["seed"] = seeds
+    gains = [r.meta.get("feature_gain") for r in records]
+    if all(isinstance(g, dict) for g in gains):  # Recorder(feature_gains=True)
+        meta["feature_gain"] = _geometric_means(cast(list[dict[str, Any]], gains))
     fslr = {n: _column_means([cast(Any, r.fslr)[n] for r in records]) for n in first.fslr}
     # no None among rates and ratios: their means are all numbers
     lrs = {n: _column_means([cast(Any, r.lrs)[n] for r in records]) for n in first.lrs}

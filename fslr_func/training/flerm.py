@@ -77,6 +77,7 @@ from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from . import policies
 from .controller import LogFn, StepController
+from .feature_gains import hidden_fan_in, step_gains
 from .flerm_rule import Match, match, rate
 from .flerm_targets import BaseTargets, Note, PastEnd, Unknown
 from .probe_schedule import ProbePlan
@@ -86,6 +87,9 @@ from .wrapper import FSLRModule, Measurement
 __all__ = ["FLeRM", "SetPoint"]
 
 Mode = Literal["static", "periodic"]
+Matched = Literal["output", "features"]
+"""What FLeRM matches for the hidden tensors of a wider model: the base's output movement
+(the paper's rule) or its movement of the features (the readout's input)."""
 Rates = dict[str, tuple[float, float]]
 """Per tensor: its group's rate and FLeRM's rate at a step."""
 
@@ -160,10 +164,22 @@ class FLeRM(StepController):
             warning (``"warn"``) or raise (``"error"``, for exactness).
         log_fn: called after every step as ``log_fn(step, {"flerm_lr/<tensor>": rate, ...})``,
             with ``fslr/<tensor>`` (the scaled model's FSLRs) added at set points.
+        match: ``"output"`` (each tensor's output movement is the base's, the paper's rule)
+            or ``"features"``: each *hidden* tensor (fan-out and fan-in both wider than the
+            base's) moves the features, the readout's input, as far as the base's did. Its
+            ratio is multiplied by :math:`G^\text{scaled}_W / G^\text{base}_W`, the ratio of
+            the feature gains (output movement per feature movement,
+            :mod:`fslr_func.training.feature_gains`) of the first updates, measured once at
+            the first set point and kept; the base's come from
+            ``Recorder(..., feature_gains=True)``. Measured on the transfer matrix: within
+            2% of re-tuned standard training on 12 of 13 cells against 5 of 13 for
+            ``"output"`` (docs/reproduction.md). One process only.
 
     Attributes:
         names: the tensors FLeRM sets, in ``named_parameters()`` order.
         ratios: tensor name -> :math:`r_W` from the latest set point (absent before its first).
+        feature_factors: with ``match="features"``, tensor name -> the factor on a hidden
+            tensor's ratio (``None`` before the first set point).
         history: the :class:`SetPoint` of every set point so far.
         t: index of the next training step.
         lr0: :math:`\eta_0`.
@@ -198,6 +214,7 @@ class FLeRM(StepController):
         unknown: Unknown = "error",
         past_end: PastEnd = "warn",
         log_fn: LogFn | None = None,
+        match: Matched = "output",
     ) -> None:
         if not isinstance(base, FSLRRecord):
             raise TypeError(
@@ -224,6 +241,7 @@ class FLeRM(StepController):
                 "min_fslr": float(min_fslr),
                 "unknown": unknown,
                 "past_end": past_end,
+                "match": match,
                 "base": hashlib.sha256(
                     json.dumps(base.to_dict(), sort_keys=True).encode()
                 ).hexdigest()[:16],
@@ -250,6 +268,9 @@ class FLeRM(StepController):
         self._before: dict[str, Tensor] = {}
         self._point: SetPoint | None = None
         self.targets.at(start_step, self.names, self._note_each)  # fail now, not at the set point
+        self.match: Matched = match
+        self.feature_factors: dict[str, float] | None = None
+        self.base_gains = _base_gains(fm, base, match)
 
     # ------------------------------------------------------------------ rates
 
@@ -314,6 +335,8 @@ class FLeRM(StepController):
         yield
 
     def _measured(self, m: Measurement) -> None:
+        if self.match == "features" and self.feature_factors is None:
+            self.feature_factors = self._feature_factors(m)
         reading = m.read()  # the set point's one synchronisation
         # tensors whose every probe was left out (not finite) are held
         measured = {**reading.values, **dict.fromkeys(reading.left_out, math.nan)}
@@ -339,7 +362,8 @@ class FLeRM(StepController):
         params = self.targets.params
         limits = {n: torch.finfo(params[n].dtype).max ** 0.5 for n in self.names}
         matched = match(targets, measured, lr0=self.lr0, min_fslr=self.min_fslr, max_rate=limits)
-        self.ratios.update(matched.ratios)
+        factors = self.feature_factors or {}
+        self.ratios.update({n: r * factors.get(n, 1.0) for n, r in matched.ratios.items()})
         if self.scheduler is None and "initial_lr" in self.optimizer.param_groups[0]:
             warnings.warn(
                 "FLeRM: a scheduler is attached to the optimizer but was not passed as "
@@ -357,6 +381,25 @@ class FLeRM(StepController):
             held=matched.zero + matched.nonfinite + matched.unmatched,
         )
 
+    def _feature_factors(self, m: Measurement) -> dict[str, float]:
+        """Per hidden tensor, its scaled feature gain over the base's (both measured)."""
+        prefix = self.fm.name_prefix
+        shapes = {n.removeprefix(prefix): tuple(self.targets.params[n].shape) for n in self.names}
+        hidden = hidden_fan_in(shapes, self.base.shapes)
+        gains = step_gains(self.fm, m)
+        factors = {
+            prefix + n: gains[n] / self.base_gains[n]
+            for n in hidden
+            if n in gains and n in self.base_gains
+        }
+        missing = sorted(set(hidden) - {n.removeprefix(prefix) for n in factors})
+        self._note_each(
+            missing,
+            "FLeRM: {} have no feature gain here or in the base record (their update moves no "
+            "features); they match output movement",
+        )
+        return factors
+
     # ------------------------------------------------------------------ checkpoints
 
     def _own_state(self) -> dict[str, Any]:
@@ -364,6 +407,7 @@ class FLeRM(StepController):
             "names": list(self.names),
             "ratios": dict(self.ratios),
             "history": [asdict(p) for p in self.history],
+            "feature_factors": self.feature_factors,
         }
 
     def _load_own_state(self, state: Mapping[str, Any]) -> None:
@@ -373,7 +417,36 @@ class FLeRM(StepController):
                 f"{sorted(set(state['names']) ^ set(self.names))[:10]} differ"
             )
         self.ratios = {str(k): float(v) for k, v in state["ratios"].items()}
+        factors = state.get("feature_factors")
+        self.feature_factors = (
+            None if factors is None else {str(k): float(v) for k, v in factors.items()}
+        )
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
+
+
+def _base_gains(fm: FSLRModule, base: FSLRRecord, matched: Matched) -> dict[str, float]:
+    """The base record's feature gains, checked, for ``match="features"`` (else empty)."""
+    if matched not in ("output", "features"):
+        raise ValueError(f"match must be 'output' or 'features', got {matched!r}")
+    if matched == "output":
+        return {}
+    if fm.reduction is not None:
+        raise ValueError(
+            "match='features' measures feature gains in one process; it does not run across "
+            "processes yet: use match='output'"
+        )
+    gains = base.meta.get("feature_gain")
+    if not isinstance(gains, Mapping) or not gains:
+        raise ValueError(
+            "match='features' needs the base run's feature gains, and this record has none: "
+            "record the base with Recorder(..., feature_gains=True)"
+        )
+    bad = [n for n, g in gains.items() if not (isinstance(g, (int, float)) and 0 < g < math.inf)]
+    if bad:
+        raise ValueError(
+            f"the base record's feature gains of {bad[:10]} are not finite numbers > 0"
+        )
+    return {str(n): float(g) for n, g in gains.items()}
 
 
 def _report(matched: Match, step: int, min_fslr: float, note: Note) -> None:

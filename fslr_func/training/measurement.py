@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..probe.functional import is_dtensor
+from ..probe.functional import Inputs, is_dtensor
 from ..probe.names import short_list
 from ..stats.estimator import EMA, fslr_from_log
 from .rates import ScaledSince, group_rates, rates_in_force
@@ -54,6 +54,7 @@ class Measurement:
             the step left unchanged (no gradient, a step skipped by a ``GradScaler``) keeps
             its EMA; read as :attr:`moved`.
         ema: the EMA the estimates come from (set when the block exits).
+        inputs: the probe batches of this step (set when the block exits).
         reported: the wrapper's count of drops already warned about, per tensor (shared).
     """
 
@@ -64,6 +65,7 @@ class Measurement:
     folded: dict[str, Tensor] = field(default_factory=dict)
     changed: dict[str, Tensor] = field(default_factory=dict)
     ema: EMA | None = None
+    inputs: list[Inputs] = field(default_factory=list)
     reported: dict[str, int] = field(default_factory=dict)
     _reading: Reading | None = None
 

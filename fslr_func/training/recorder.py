@@ -47,6 +47,7 @@ from ..io.record_meta import is_learning_rate
 from ..probe.functional import Inputs
 from ..probe.names import unwrapped
 from .controller import LogFn, StepController
+from .feature_gains import step_gains
 from .rates import group_lr, rates_in_force, when_final
 from .wrapper import FSLRModule, Measurement
 
@@ -133,6 +134,10 @@ class Recorder(StepController):
         log_fn: called as ``log_fn(step, {"fslr/<tensor>": value, ...})`` (unknown values
             left out) after every recorded row (TensorBoard:
             ``lambda t, s: writer.add_scalars("fslr", s, t)``).
+        feature_gains: also store, in ``record.meta["feature_gain"]``, the feature gain of
+            each tensor's first recorded update
+            (:func:`~fslr_func.training.feature_gains.step_gains`: two forward-mode passes
+            per tensor, once), which ``FLeRM(..., match="features")`` needs.
 
     Attributes:
         record: the :class:`~fslr_func.io.record.FSLRRecord` being filled.
@@ -158,6 +163,7 @@ class Recorder(StepController):
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
         meta: Mapping[str, Any] | None = None,
         log_fn: LogFn | None = None,
+        feature_gains: bool = False,
     ) -> None:
         if base_lr is not None and not is_learning_rate(base_lr):
             raise ValueError(f"base_lr must be None or a finite number > 0, got {base_lr!r}")
@@ -172,8 +178,9 @@ class Recorder(StepController):
             start_step=start_step,
             scheduler=scheduler,
             log_fn=log_fn,
-            config={"base_lr": base_lr},
+            config={"base_lr": base_lr, "feature_gains": bool(feature_gains)},
         )
+        self.feature_gains = bool(feature_gains)
         self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.names)
         shapes = {
             n.removeprefix(self._prefix): list(p.shape)
@@ -218,6 +225,8 @@ class Recorder(StepController):
         self._stepping = optimizers
 
     def _measured(self, m: Measurement) -> None:
+        if self.feature_gains and "feature_gain" not in self.record.meta:
+            self.record.meta["feature_gain"] = step_gains(self.fm, m)
         step, sched, optimizers = self.t, self._sched, self._stepping
         # the rates in force are final once FLeRM, if it drives this step, has finished it
         when_final(optimizers, lambda: self._append(step, m, optimizers, sched))

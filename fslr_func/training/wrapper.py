@@ -280,6 +280,7 @@ class FSLRModule(nn.Module):
         counts = dict(self.ema.counts)
         self.fold(inputs, m.delta, params=m.before, step=step, changed=m.changed)
         m.log_sq, m.ema, m.reported = self.log_sq(), self.ema, self.reported
+        m.inputs = inputs if isinstance(inputs, list) else [inputs]
         m.folded = {n: c - counts[n] if n in counts else c for n, c in self.ema.counts.items()}
 
     def log_sq(self) -> dict[str, Tensor]:

@@ -172,7 +172,9 @@ def test_probe_falls_back_with_one_warning_and_the_same_result(
 
 
 @pytest.mark.parametrize("cls", [CapturedInPlace, OldStyleFunction])
-def test_an_explicit_strategy_does_not_fall_back_and_the_loop_needs_no_torch_func(cls: type[nn.Module]) -> None:
+def test_explicit_strategies_do_not_fall_back_and_the_loop_needs_no_torch_func(
+    cls: type[nn.Module],
+) -> None:
     model, _, x, delta = setup(cls)
     with pytest.raises(RuntimeError):
         probe(model, x, delta, samples=2, strategy="vmap")

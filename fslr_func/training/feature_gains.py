@@ -1,0 +1,184 @@
+r"""How far a tensor's update moves the output per unit of movement of the features.
+
+FLeRM matches each tensor's *output* movement to the base's. For a *hidden* tensor of a wider
+model (fan-out and fan-in both grown: muP's two infinite dimensions) that is not the movement
+of the features it should keep: under the standard parametrisation the readout's weights are
+:math:`\Theta(n^{-1/2})` at width :math:`n`, and an update's change of the features (the
+readout's input) is aligned with them, so the same output movement needs less feature
+movement at larger width, and feature learning fades (docs/reproduction.md, "Why FLeRM
+under-sets width rates": the features of the 8x ResMLP moved at half the base's).
+
+The *feature gain* of an update :math:`\Delta W` is the ratio of the two movements, both
+exact (:func:`fslr_func.exact`, forward-mode AD):
+
+.. math::
+
+    G_W = \frac{\|J_f\,\Delta W\|_\mathrm{RMS}}{\|J_h\,\Delta W\|_\mathrm{RMS}},
+
+with :math:`f` the model's output and :math:`h` the readout's input. Scaling a hidden tensor's
+rate by :math:`G^\text{scaled}_W / G^\text{base}_W` after FLeRM's set point makes its feature
+movement the base's (``FLeRM(..., match="features")``, which reads the base's gains from
+``Recorder(..., feature_gains=True)``). Measured on the transfer matrix (docs/reproduction.md,
+"Candidate fixes measured on the matrix"): within 2% of re-tuned standard training on 12 of
+its 13 cells, against 5 for FLeRM matching output movement.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..probe.exact import exact
+from ..probe.functional import Inputs, OutputFn
+from ..probe.names import block_role
+from ..stats.estimator import ReadoutRole
+from .measurement import Measurement
+from .wrapper import FSLRModule
+
+__all__ = ["feature_gains", "hidden_fan_in", "readout_of", "step_gains"]
+
+
+def hidden_fan_in(
+    shapes: Mapping[str, Sequence[int]], base_shapes: Mapping[str, Sequence[int]]
+) -> dict[str, float]:
+    """The *hidden* tensors of a scaled model and their fan-in multipliers: tensors of rank 2
+    or more whose dims 0 and 1 (fan-out, fan-in) both differ from the base's (muP's two
+    infinite dimensions); a tensor the base lacks (an extra block) is compared with its role
+    in the base (:func:`fslr_func.probe.names.block_role`).
+
+    Args:
+        shapes: the scaled model's tensor shapes, by name.
+        base_shapes: the base model's (``FSLRRecord.shapes``).
+
+    Examples:
+        >>> base = {"0.weight": (16, 4), "0.bias": (16,), "1.weight": (16, 16), "1.bias": (16,)}
+        >>> hidden_fan_in({"0.weight": (64, 4), "1.weight": (64, 64)}, base)
+        {'1.weight': 4.0}
+    """
+    roles: dict[str, tuple[int, ...]] = {}
+    for name, shape in base_shapes.items():
+        roles.setdefault(block_role(name), tuple(shape))
+    out: dict[str, float] = {}
+    for name, shape in shapes.items():
+        ref = tuple(base_shapes[name]) if name in base_shapes else roles.get(block_role(name))
+        if ref is None or len(shape) < 2 or len(ref) != len(shape):
+            continue
+        if shape[0] != ref[0] and shape[1] != ref[1]:
+            out[name] = shape[1] / ref[1]
+    return out
+
+
+def readout_of(roles: Mapping[str, ReadoutRole]) -> str | None:
+    """The readout module's name from the probe's readout roles (its weight's name less the
+    last part), or ``None`` where the probe found no readout (a tied head).
+
+    Examples:
+        >>> readout_of({"head.weight": "weight", "head.bias": "bias"})
+        'head'
+    """
+    weights = [n for n, r in roles.items() if r == "weight"]
+    return weights[0].rpartition(".")[0] if len(weights) == 1 else None
+
+
+class _ReadoutInput(nn.Module):
+    """``model``'s forward, returning the input of its submodule ``readout`` instead (caught
+    by a forward pre-hook for the duration of the call); parameters ``m.<name>``."""
+
+    def __init__(self, model: nn.Module, readout: str) -> None:
+        super().__init__()
+        self.m = model
+        self.readout = readout
+
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        caught: list[Tensor] = []
+
+        def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
+            if inputs and isinstance(inputs[0], Tensor):
+                caught.append(inputs[0])
+
+        handle = self.m.get_submodule(self.readout).register_forward_pre_hook(hook)
+        try:
+            self.m(*args, **kwargs)
+        finally:
+            handle.remove()
+        if not caught:
+            raise ValueError(f"the readout {self.readout!r} was not called with a tensor input")
+        return caught[-1]
+
+
+def feature_gains(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    *,
+    readout: str,
+    params: Mapping[str, Tensor] | None = None,
+    output_fn: OutputFn | None = None,
+) -> dict[str, float]:
+    r"""Per tensor, the feature gain :math:`G_W` of its update (module docstring): output
+    movement over movement of the readout's input, both by :func:`fslr_func.exact` at
+    ``params``. Tensors whose update moves neither (the readout's own, which do not move its
+    input) are left out.
+
+    Args:
+        model: the module (not mutated).
+        inputs: one probe batch.
+        delta: tensor name -> update (any scale: the gain is a ratio).
+        readout: the readout module's name (:func:`readout_of`).
+        params: the weights to linearise at (default: the current ones).
+        output_fn: maps the model output to the tensor whose movement counts, as in the probe.
+
+    Raises:
+        ValueError: ``readout`` is not a module of ``model`` or gets no tensor input, and
+            :func:`fslr_func.exact`'s errors.
+
+    Examples:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        >>> delta = {n: 0.1 * torch.ones_like(p) for n, p in net.named_parameters()}
+        >>> sorted(feature_gains(net, torch.randn(8, 3), delta, readout="1"))
+        ['0.bias', '0.weight']
+    """
+    point = dict(model.named_parameters()) if params is None else dict(params)
+    out = exact(model, inputs, delta, params=point, output_fn=output_fn)
+    features = exact(
+        _ReadoutInput(model, readout),
+        inputs,
+        {f"m.{n}": d for n, d in delta.items()},
+        params={f"m.{n}": v for n, v in point.items()},
+    )
+    gains = {}
+    for name in delta:
+        o, f = float(out[name]), float(features[f"m.{name}"])
+        if o > 0 and f > 0 and math.isfinite(o / f):
+            gains[name] = o / f
+    return gains
+
+
+def step_gains(fm: FSLRModule, m: Measurement) -> dict[str, float]:
+    """:func:`feature_gains` of a measured step's update, on its first probe batch, at the
+    weights before the step, by the bare model's names (those of records).
+
+    Raises:
+        ValueError: the probe found no readout (a head tied to the embedding): there are no
+            features to measure.
+    """
+    readout = readout_of(fm.readout_roles)
+    if readout is None:
+        raise ValueError(
+            "matching feature movement needs the readout layer, and the probe found none (a "
+            "readout tied to another tensor, or an output that is not one module's): pass "
+            "with_fslr(..., readout='<module name>')"
+        )
+    gains = feature_gains(
+        fm.module,
+        m.inputs[0],
+        m.delta,
+        readout=readout,
+        params={**dict(fm.module.named_parameters()), **m.before},
+        output_fn=fm.options.output_fn,
+    )
+    return {n.removeprefix(fm.name_prefix): g for n, g in gains.items()}

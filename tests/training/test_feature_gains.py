@@ -1,0 +1,134 @@
+"""FLeRM matching feature movement (``match="features"``) and the feature gains it reads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fslr_func as ff
+from fslr_func.io.record import FSLRRecord
+from fslr_func.training.feature_gains import feature_gains, hidden_fan_in
+
+D_IN, CLASSES, STEPS = 5, 3, 4
+
+
+def _net(width: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(D_IN, width), nn.Tanh(), nn.Linear(width, width), nn.Tanh(),
+        nn.Linear(width, CLASSES),
+    )  # fmt: skip
+
+
+def test_a_feature_gain_is_the_output_movement_over_the_readout_inputs():
+    """By hand for a linear map into a linear readout: ``J_h dW = dW x``, ``J_f dW = R dW x``."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    x = torch.randn(10, 4)
+    delta = {"0.weight": torch.randn(6, 4), "1.weight": torch.randn(2, 6)}
+    gains = feature_gains(net, x, delta, readout="1")
+    moved = x @ delta["0.weight"].T  # (10, 6): the features' change
+    rms = lambda t: t.double().square().mean().sqrt()  # noqa: E731
+    want = float(rms(moved @ net[1].weight.detach().T) / rms(moved))
+    assert set(gains) == {"0.weight"}  # the readout's own update moves no features
+    assert math.isclose(gains["0.weight"], want, rel_tol=1e-6)
+
+
+def test_hidden_tensors_are_those_wider_in_both_dims():
+    small, big = _net(4), _net(16)
+    shapes = {n: tuple(p.shape) for n, p in big.named_parameters()}
+    base = {n: tuple(p.shape) for n, p in small.named_parameters()}
+    assert hidden_fan_in(shapes, base) == {"2.weight": 4.0}
+
+
+def _train(width: int, controller, *, seed: int = 1) -> None:
+    """A few bf16-autocast steps under a GradScaler with a fused AdamW (the optimiser is
+    the controller's)."""
+    fm, opt, make = controller
+    ctl = make(fm, opt)
+    scaler = torch.amp.GradScaler("cpu")
+    data = torch.Generator().manual_seed(seed)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        x = torch.randn(32, D_IN, generator=data)
+        y = torch.randint(0, CLASSES, (32,), generator=data)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = nn.functional.cross_entropy(fm(x), y)
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        with ctl.step():
+            scaler.step(opt)
+        scaler.update()
+    return ctl
+
+
+def _setup(width: int):
+    fm = ff.with_fslr(_net(width), samples=4, seed=0, strategy="loop")
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2, fused=True)
+    probes = (torch.randn(32, D_IN, generator=torch.Generator().manual_seed(9)) for _ in range(99))
+    return fm, opt, probes
+
+
+def _base(feature_gains: bool = True) -> FSLRRecord:
+    fm, opt, probes = _setup(4)
+    rec = _train(
+        4,
+        (fm, opt, lambda f, o: ff.Recorder(
+            f, probes, optimizer=o, warmup_samples=4, every=2, feature_gains=feature_gains
+        )),
+    )  # fmt: skip
+    return rec.record
+
+
+def _flerm(base: FSLRRecord, match: str) -> ff.FLeRM:
+    fm, opt, probes = _setup(16)
+    return _train(
+        16,
+        (fm, opt, lambda f, o: ff.FLeRM(
+            f, o, base, probe_batches=probes, warmup_samples=4, match=match
+        )),
+    )  # fmt: skip
+
+
+def test_flerm_matching_features_rescales_the_hidden_tensors_only_by_the_gains_ratio(tmp_path):
+    base = _base()
+    gains = base.meta["feature_gain"]
+    assert set(gains) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # all but the readout
+    assert all(0 < g < math.inf for g in gains.values())
+    path = tmp_path / "base.json"
+    base.save(path)
+    base = FSLRRecord.load(path)  # the gains survive the file
+    output, features = _flerm(base, "output"), _flerm(base, "features")
+    assert output.feature_factors is None and set(features.feature_factors) == {"2.weight"}
+    factor = features.feature_factors["2.weight"]
+    assert factor > 0 and math.isfinite(factor) and not math.isclose(factor, 1.0, rel_tol=1e-3)
+    for name, r in output.ratios.items():  # same set point, same measured FSLRs
+        want = r * (factor if name == "2.weight" else 1.0)
+        assert math.isclose(features.ratios[name], want, rel_tol=1e-6), name
+    # exact resume keeps the factors measured once
+    fm, opt, probes = _setup(16)
+    again = ff.FLeRM(fm, opt, base, probe_batches=probes, warmup_samples=4, match="features")
+    again.load_state_dict(features.state_dict())
+    assert again.feature_factors == features.feature_factors and again.ratios == features.ratios
+
+
+def test_matching_features_needs_the_base_gains_and_a_known_mode():
+    fm, opt, probes = _setup(16)
+    plain = _base(feature_gains=False)
+    with pytest.raises(ValueError, match=r"Recorder\(\.\.\., feature_gains=True\)"):
+        ff.FLeRM(fm, opt, plain, probe_batches=probes, match="features")
+    with pytest.raises(ValueError, match="match must be"):
+        ff.FLeRM(fm, opt, plain, probe_batches=probes, match="feature")  # type: ignore[arg-type]
+    bad = FSLRRecord.from_dict({**plain.to_dict(), "meta": {**plain.meta, "feature_gain": {
+        "2.weight": -2.0}}})  # fmt: skip
+    with pytest.raises(ValueError, match="not finite numbers > 0"):
+        ff.FLeRM(fm, opt, bad, probe_batches=probes, match="features")
+
+
+def test_a_seed_mean_keeps_the_geometric_mean_of_the_gains():
+    a = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"seed": 0, "feature_gain": {"w": 2.0}})
+    b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1, "feature_gain": {"w": 8.0}})
+    assert FSLRRecord.mean([a, b]).meta["feature_gain"] == {"w": 4.0}
