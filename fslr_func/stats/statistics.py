@@ -105,12 +105,12 @@ class ProductStatistics:
 
     Built once per probe from the updates (each scaled once, :class:`ScaledUpdate`) and the
     shapes ``Z`` is viewed as (:func:`fslr_func.stats.estimator.grouped_shape`); called once
-    per sample with that sample's gradients. Per tensor, the gradient is divided by the power
-    of two ``p`` with ``p <= max |g| < 2p`` (exact) as it is cast to the statistic dtype, and
-    multiplied in place by the scaled update, so that ``Z' = Z / (p 2^k)`` has its largest
-    magnitude below 2 whatever the magnitudes of ``g`` and ``dW``: no square or sum of it
-    overflows, and the
-    product rounds as a product of normal numbers even where ``g`` or ``dW`` is subnormal.
+    per sample with that sample's gradients. Per tensor, the gradient is divided (exactly)
+    by the power of two ``p`` with ``p <= max |g| < 2p``, or the smallest normal number of its
+    dtype if ``max |g|`` is below it, and multiplied in place by the scaled update, so that
+    ``Z' = Z / (p 2^k)`` has its largest magnitude below 2 whatever the magnitudes of ``g``
+    and ``dW``: no square or sum of it overflows, and the product rounds as a product of
+    normal numbers even where ``g`` or ``dW`` is subnormal.
     The statistics ``q'`` of ``Z'`` are reduced in place (one temporary the size of the
     tensor), then, for all tensors together, cast to float64 and brought back:
 
