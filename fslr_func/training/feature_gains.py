@@ -26,7 +26,7 @@ its 13 cells, against 5 for FLeRM matching output movement.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from torch import Tensor, nn
@@ -158,9 +158,17 @@ def feature_gains(
     return gains
 
 
-def step_gains(fm: FSLRModule, m: Measurement) -> dict[str, float]:
+def step_gains(
+    fm: FSLRModule, m: Measurement, names: Collection[str] | None = None
+) -> dict[str, float]:
     """:func:`feature_gains` of a measured step's update, on its first probe batch, at the
     weights before the step, by the bare model's names (those of records).
+
+    Args:
+        fm: the wrapper that measured the step.
+        m: the step's measurement.
+        names: the tensors to measure, by bare name (two forward-mode passes each); default:
+            every tensor the step moved.
 
     Raises:
         ValueError: the probe found no readout (a head tied to the embedding): there are no
@@ -173,12 +181,20 @@ def step_gains(fm: FSLRModule, m: Measurement) -> dict[str, float]:
             "readout tied to another tensor, or an output that is not one module's): pass "
             "with_fslr(..., readout='<module name>')"
         )
+    prefix = fm.name_prefix
+    delta = (
+        m.delta
+        if names is None
+        else {n: d for n, d in m.delta.items() if n.removeprefix(prefix) in names}
+    )
+    if not delta:  # nothing to measure (a model no wider than the base has no hidden tensor)
+        return {}
     gains = feature_gains(
         fm.module,
         m.inputs[0],
-        m.delta,
+        delta,
         readout=readout,
         params={**dict(fm.module.named_parameters()), **m.before},
         output_fn=fm.options.output_fn,
     )
-    return {n.removeprefix(fm.name_prefix): g for n, g in gains.items()}
+    return {n.removeprefix(prefix): g for n, g in gains.items()}

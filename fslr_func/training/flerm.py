@@ -386,12 +386,8 @@ class FLeRM(StepController):
         prefix = self.fm.name_prefix
         shapes = {n.removeprefix(prefix): tuple(self.targets.params[n].shape) for n in self.names}
         hidden = hidden_fan_in(shapes, self.base.shapes)
-        gains = step_gains(self.fm, m)
-        factors = {
-            prefix + n: gains[n] / self.base_gains[n]
-            for n in hidden
-            if n in gains and n in self.base_gains
-        }
+        gains = step_gains(self.fm, m, names={n for n in hidden if n in self.base_gains})
+        factors = {prefix + n: gain / self.base_gains[n] for n, gain in gains.items()}
         missing = sorted(set(hidden) - {n.removeprefix(prefix) for n in factors})
         self._note_each(
             missing,
