@@ -27,6 +27,7 @@ not depend on the strategy or the chunk size.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -369,10 +370,12 @@ def _sample(
     rows = []
     for count in _chunks(options.samples, chunk):
         if reduction is None:
-            rows.append(setup.map_samples(lambda w: statistics(gradients(w)), draw(count)))
+            rows.append(
+                setup.map_samples(lambda w: statistics(gradients(w), overwrite=True), draw(count))
+            )
         else:
             grads = reduction.reduce(setup.map_samples(gradients, draw(count)))
-            rows.append(vmap(statistics)(grads))
+            rows.append(vmap(functools.partial(statistics, overwrite=True))(grads))
     log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
     return ProbeResult(log_stats, setup.readout, setup.readout_module, where.total, setup.strategy)
 

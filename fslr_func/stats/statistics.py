@@ -15,11 +15,12 @@ are in :mod:`fslr_func.stats.estimator`.
 
 Cost: the probe takes these statistics for every tensor of every sample, so they are built
 to cost little more than the reductions themselves. The update is scaled by its power of two
-once per probe (:class:`ScaledUpdate`); per sample and tensor, ``Z`` is formed in one
-temporary at a scale near 1 (the gradient divided by its largest magnitude) and reduced in
-place; the log, the scale and the shift are then applied to the statistics of every tensor
-of the sample at once (:class:`ProductStatistics`), in a handful of operations on one short
-vector, instead of a dozen operations per tensor.
+once per probe (:class:`ScaledUpdate`); per sample and tensor, ``Z`` is formed at a scale
+near 1 (the gradient divided by its largest magnitude) in the gradient itself, which the probe
+hands over (no allocation), or in one temporary, and reduced in place; the scales of every
+tensor of the sample are found at once, and the log, the scale and the shift are applied to
+all their statistics at once (:class:`ProductStatistics`), in a handful of operations on
+short vectors, instead of a dozen operations per tensor.
 """
 
 from __future__ import annotations
@@ -111,8 +112,9 @@ class ProductStatistics:
     ``Z' = Z / (p 2^k)`` has its largest magnitude below 2 whatever the magnitudes of ``g``
     and ``dW``: no square or sum of it overflows, and the product rounds as a product of
     normal numbers even where ``g`` or ``dW`` is subnormal.
-    The statistics ``q'`` of ``Z'`` are reduced in place (one temporary the size of the
-    tensor), then, for all tensors together, cast to float64 and brought back:
+    The statistics ``q'`` of ``Z'`` are reduced in place (in the gradient itself with
+    ``overwrite``, else in one temporary the size of the tensor), then, for all tensors
+    together, cast to float64 and brought back:
 
     .. math::
 
@@ -153,52 +155,92 @@ class ProductStatistics:
                 for u, s in zip(updates.values(), self.sizes, strict=True)
             ]
         )
+        device = self.log_factors.device
+        # statistic -> its tensor, to spread the tensors' scales over their statistics
+        self.owner = torch.repeat_interleave(
+            torch.arange(len(self.sizes), device=device),
+            torch.tensor(self.sizes, device=device),
+        )
         # q_full enters as |sum Z'| (no square to underflow): its log counts twice
         self.powers = torch.ones_like(self.log_factors)
         for end in itertools.accumulate(self.sizes):
             self.powers[end - 1] = 2.0
+        self._floors: dict[tuple[torch.dtype, ...], Tensor] = {}
 
-    def __call__(self, grads: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    def __call__(
+        self, grads: Mapping[str, Tensor], *, overwrite: bool = False
+    ) -> dict[str, Tensor]:
         """Per tensor name, the float64 log statistics of ``Z = grads[name] * dW``.
 
         Args:
-            grads: tensor name -> ``d phi / d W`` for one sample (any floating dtype; not
-                modified), for every name of the updates.
+            grads: tensor name -> ``d phi / d W`` for one sample (any floating dtype), for
+                every name of the updates.
+            overwrite: the gradients are the caller's to discard: each contiguous one of
+                the statistic dtype is turned into ``Z'`` in place, saving the allocation of
+                a tensor of its size (the statistics are the same bit for bit); otherwise
+                they are not modified.
 
         Returns:
             tensor name -> ``[log q_0, log q_{d=0}, ..., log q_{d=D-1}, log q_full]`` for
             ``D`` the rank of its view (``-inf`` where a statistic is exactly zero; NaN or
             ``+inf`` where ``Z`` is not finite).
         """
+        given = [grads[name].detach() for name in self.updates]
+        xs = [
+            g.to(torch.promote_types(_stat_dtype(g.dtype), u.tensor.dtype))
+            for g, u in zip(given, self.updates.values(), strict=True)
+        ]
+        peaks = self._powers_of_two([x.amax() for x in xs], [x.amin() for x in xs])
         values: list[Tensor] = []
-        peaks: list[Tensor] = []
-        for (name, update), size in zip(self.updates.items(), self.sizes, strict=True):
-            reduced, peak = _reduce(grads[name], update.tensor, self.views[name])
-            values += reduced
-            peaks.append(peak.reshape(1).expand(size))
-        log_peaks = torch.cat(peaks).to(torch.float64).log_()
+        for g, x, scale, update, view in zip(
+            given,
+            xs,
+            peaks.reciprocal().unbind(0),
+            self.updates.values(),
+            self.views.values(),
+            strict=True,
+        ):
+            in_place = x is not g or (overwrite and x.is_contiguous())
+            values += _reduce(_scaled(x, scale, in_place).mul_(update.tensor).reshape(view))
+        log_peaks = peaks.to(torch.float64).log_().index_select(0, self.owner)
         logs = torch.stack(values).abs_().to(torch.float64).log_().mul_(self.powers)
         logs = logs.add_(log_peaks, alpha=2.0).add_(self.log_factors)
         return dict(zip(self.updates, torch.split(logs, self.sizes), strict=True))
 
+    def _powers_of_two(self, maxima: Sequence[Tensor], minima: Sequence[Tensor]) -> Tensor:
+        """Per tensor, the power of two ``p <= max |g| < 2p``, at least the smallest normal
+        number of the tensor's dtype: a power whose reciprocal is a number of that dtype, so
+        that ``g / p`` is exact (a product is faster than a quotient, 6x under vmap). A NaN
+        in ``g`` makes ``p`` NaN, an infinite ``g`` makes ``Z'`` NaN."""
+        dtypes = tuple(m.dtype for m in maxima)
+        stacked = torch.maximum(torch.stack(list(maxima)), torch.stack(list(minima)).neg_())
+        floors = self._floors.get(dtypes)
+        if floors is None:
+            tiny = [torch.finfo(d).tiny for d in dtypes]
+            floors = torch.tensor(tiny, dtype=stacked.dtype, device=stacked.device)
+            self._floors[dtypes] = floors
+        stacked = torch.maximum(stacked, floors)  # float64 if any tensor is
+        mantissa, _ = torch.frexp(stacked)  # max |g| = m 2^e, m in [1/2, 1): p = 2^(e-1)
+        return stacked.div_(mantissa.add_(mantissa))
 
-def _reduce(grad: Tensor, update: Tensor, view: Sequence[int]) -> tuple[list[Tensor], Tensor]:
-    """``[q_0, q_{d}..., sum]`` of ``Z' = (g / p) * update`` viewed as ``view``, and ``p``
-    (the statistic dtype's; ``sum`` signed: ``q_full`` is its square)."""
-    g = grad.detach()
-    dtype = torch.promote_types(_stat_dtype(g.dtype), update.dtype)
-    x = g if g.dtype == dtype else g.to(dtype)
-    peak = torch.maximum(x.amax(), x.amin().neg_()).clamp_min_(torch.finfo(dtype).tiny)
-    # p = 2^(e-1) for max|g| = m 2^e, m in [1/2, 1), at least the smallest normal number:
-    # a power of two whose reciprocal is a number of the dtype, so Z' is exact (a product is
-    # faster than a quotient, 6x under vmap); a NaN in g makes p NaN, an infinite g makes Z' NaN
-    mantissa, _ = torch.frexp(peak)
-    peak = peak.div_(mantissa.add_(mantissa))
-    scale = peak.reciprocal()
-    z = (x.mul(scale) if x is g else x.mul_(scale)).mul_(update).reshape(view)  # never g itself
+
+def _scaled(x: Tensor, scale: Tensor, in_place: bool) -> Tensor:
+    """``x * scale``, in ``x`` if ``in_place`` and torch allows it (under vmap, not where
+    ``x`` is the same for every sample and ``scale`` is not)."""
+    if in_place:
+        try:
+            return x.mul_(scale)
+        except RuntimeError:  # refused before anything is written
+            pass
+    return x.mul(scale)
+
+
+def _reduce(z: Tensor) -> list[Tensor]:
+    """``[q_0, q_{d}..., sum]`` of ``z``, reduced in place (``sum`` signed: ``q_full`` is its
+    square)."""
     sums = [z.sum(d) for d in range(z.dim())]
     total = sums[0].sum() if sums else z.clone()
-    return [z.mul_(z).sum()] + [s.mul_(s).sum() for s in sums] + [total], peak
+    return [z.mul_(z).sum()] + [s.mul_(s).sum() for s in sums] + [total]
 
 
 def product_log_statistics(

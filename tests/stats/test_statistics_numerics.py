@@ -115,6 +115,38 @@ def test_statistics_of_every_tensor_at_once_equal_the_float64_definition(
         assert_matches(got[name] + 1.5, z64)
 
 
+def test_overwriting_the_gradients_gives_the_same_statistics_bit_for_bit():
+    """The probe hands its gradients over (``overwrite=True``): under vmap, a contiguous
+    float32 one becomes ``Z'`` in place, and those torch cannot write (an expanded one, one
+    without a sample dimension) or that are cast anyway (bfloat16) are left as they were."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w": (6, 5), "expanded": (4, 3), "shared": (5,), "half": (3, 2)}
+    updates = {n: ScaledUpdate.of(torch.randn(s, generator=gen), -0.5) for n, s in shapes.items()}
+    stats = ProductStatistics(updates, {"w": (3, 10)})
+    row, shared = torch.randn(1, 3, generator=gen), torch.randn(5, generator=gen)
+
+    def grads(w: Tensor) -> dict[str, Tensor]:
+        return {
+            "w": w * 3.0,
+            "expanded": (w[0, :1] * row).expand(4, 3),  # stride 0: torch refuses to write it
+            "shared": shared.clone(),  # the same for every sample: no sample dimension
+            "half": w[:3, :2].to(torch.bfloat16),
+        }
+
+    def both(w: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor], dict[str, Tensor]]:
+        given, kept = grads(w), grads(w)
+        plain = torch.cat(list(stats(kept).values()))
+        overwritten = torch.cat(list(stats(given, overwrite=True).values()))
+        return plain, overwritten, given, kept
+
+    plain, overwritten, given, kept = vmap(both)(torch.randn(4, 6, 5, generator=gen))
+    assert torch.isfinite(plain).all()
+    assert torch.equal(plain, overwritten)
+    for name in ("expanded", "shared", "half"):
+        assert torch.equal(given[name], kept[name])
+    assert not torch.equal(given["w"], kept["w"])  # written: Z' = g / p * dW
+
+
 def few_bits(shape: tuple[int, ...], seed: int, dtype: torch.dtype) -> Tensor:
     """Whole multiples of 2^-8 below 1 (8 significant bits): exact in every dtype here, and
     still exact times 2^p from the smallest subnormal exponent + 8 up to the largest."""
