@@ -14,9 +14,17 @@ function-space learning rate), averaged over the probes of a short run at one le
 (each scale: the same seed, ``steps`` steps, a probe every ``every`` steps after an EMA warm-up,
 steps 1 and later). Under standard training the movements of a badly parametrised model drift with
 scale; under FLeRM (static, its set point at step 0 from the base scale's record of the same
-run) they should stay where the base model's were; ``"mup"`` shows where muP puts them. A
-tensor whose movement changes by more than ``threshold`` (default 2) between its smallest and
-largest value over the scales is flagged.
+run) they should stay where the base model's were; ``"mup"`` shows where muP puts them;
+``"features"`` is ``FLeRM(..., match="features")``, which holds the hidden tensors' movement of
+the features (the readout's input) at the base's instead. A tensor whose movement changes by
+more than ``threshold`` (default 2) between its smallest and largest value over the scales is
+flagged.
+
+The standard runs also measure each hidden tensor's *feature gain* at every scale (its first
+update's output movement over its movement of the features,
+:mod:`fslr_func.training.feature_gains`), from which
+:func:`~fslr_func.experiments.prediction.predict` says what the transfer matrix predicts
+about FLeRM's transfer for this model.
 
 Only tensors present at every scale are compared (along depth, the extra blocks have no
 counterpart; under FLeRM's ``share_blocks`` policy each block's share of its base block's
@@ -34,8 +42,8 @@ Examples:
     >>> task = Task("tiny", build, functools.partial(batches, x, y, 32),
     ...             lambda seed: (b for b, _ in batches(x, y, 32, seed + 99)))
     >>> result = coord_check(task, (1, 4), 0.01, steps=4, every=1, warmup_samples=8)
-    >>> sorted(result["modes"]), result["names"][:2]
-    (['flerm', 'standard'], ['0.weight', '0.bias'])
+    >>> sorted(result["modes"]), result["names"][:2], result["prediction"]["kind"]
+    (['flerm', 'standard'], ['0.weight', '0.bias'], 'no hidden tensor')
     >>> len(result["modes"]["standard"]["movement"]["0.weight"])
     2
 """
@@ -44,25 +52,29 @@ from __future__ import annotations
 
 import contextlib
 import math
+import textwrap
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 
 from ..io.record import FSLRRecord
+from ..training.feature_gains import NoReadoutError, hidden_fan_in
 from ..training.flerm import FLeRM
 from ..training.recorder import Recorder
 from ..training.wrap import with_fslr
 from .configs import scale_key
 from .mup import apply_mup, base_shapes
+from .prediction import predict
 from .task import Task
 from .train import make_optimizer, train
 
 __all__ = ["CHECK_MODES", "coord_check", "format_check"]
 
-CHECK_MODES = ("standard", "mup", "flerm")
+CHECK_MODES = ("standard", "mup", "flerm", "features")
 """Modes :func:`coord_check` can compare (``"mup"``:
-:func:`~fslr_func.experiments.mup.apply_mup`)."""
+:func:`~fslr_func.experiments.mup.apply_mup`; ``"features"``: ``FLeRM(...,
+match="features")``)."""
 
 
 def _run(
@@ -80,8 +92,10 @@ def _run(
     mode: str,
     base: FSLRRecord | None,
     policy: Any,
+    gains: bool = False,
 ) -> FSLRRecord:
-    """One short run at ``scale`` and its record (under FLeRM from ``base``, set at step 0)."""
+    """One short run at ``scale`` and its record (under FLeRM from ``base``, set at step 0;
+    with ``gains``, the feature gains of its first update in ``record.meta``)."""
     torch.manual_seed(seed)
     model = task.build(scale, seed)
     params: Any = model.parameters()
@@ -97,10 +111,11 @@ def _run(
         optimizer=opt,
         warmup_samples=warmup_samples,
         every=every,
-        start_step=1 if mode == "flerm" else 0,
+        start_step=1 if mode in ("flerm", "features") else 0,
+        feature_gains=gains,
     )
     flerm = None
-    if mode == "flerm":
+    if mode in ("flerm", "features"):
         assert base is not None
         flerm = FLeRM(
             fm,
@@ -109,6 +124,7 @@ def _run(
             probe_batches=task.probe_batches(seed),  # the base's: at 1x the identity
             policy=policy,
             warmup_samples=warmup_samples,
+            match="features" if mode == "features" else "output",
         )
 
     @contextlib.contextmanager
@@ -162,16 +178,20 @@ def coord_check(
         warmup_samples: omega samples of the EMA warm-ups.
         optimizer: a name of :data:`~fslr_func.experiments.train.OPTIMIZERS`.
         modes: a subset of :data:`CHECK_MODES`; ``"mup"`` takes the smallest scale as muP's
-            base shapes.
+            base shapes. The standard runs are made at every scale in any case (they measure
+            the feature gains).
         threshold: flag tensors whose movement's max/min ratio over the scales exceeds it.
 
     Returns:
         ``{"scales", "lr", "names", "modes": {mode: {"movement": {name: [m_W per scale]},
-        "drift": {name: max / min}, "flagged": [names]}}, "threshold", "steps", "seed"}``
+        "drift": {name: max / min}, "flagged": [names]}}, "gains": {hidden tensor: [G_W
+        per scale]} (None: the probe found no readout), "prediction": the matrix's
+        (:func:`~fslr_func.experiments.prediction.predict`), "threshold", "steps", "seed"}``
         (JSON-able; names present at every scale, in the base model's order).
 
     Raises:
-        ValueError: for fewer than 2 steps or an unknown mode.
+        ValueError: for fewer than 2 steps or an unknown mode, or mode ``"features"`` for a
+            model whose readout the probe does not find.
     """
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (step 0 is FLeRM's set point), got {steps}")
@@ -188,17 +208,25 @@ def coord_check(
         "optimizer": optimizer,
         "policy": task.policy or "identity",
     }
-    base = _run(task, ordered[0], ordered[0], lr, mode="standard", base=None, **kw)
-    movements: dict[str, list[dict[str, float]]] = {}
-    for mode in modes:
-        movements[mode] = [
-            _movement(
-                base
-                if mode == "standard" and s == ordered[0]
-                else _run(task, ordered[0], s, lr, mode=mode, base=base, **kw)
+    try:
+        base = _run(task, ordered[0], ordered[0], lr, mode="standard", base=None, gains=True, **kw)
+    except NoReadoutError as err:
+        if "features" in modes:
+            raise ValueError(f"mode 'features' measures the features: {err}") from err
+        base = _run(task, ordered[0], ordered[0], lr, mode="standard", base=None, **kw)
+    measured = "feature_gain" in base.meta
+    runs = {("standard", ordered[0]): base}
+
+    def run(mode: str, scale: float) -> FSLRRecord:
+        if (mode, scale) not in runs:
+            gains = measured and mode == "standard"
+            runs[mode, scale] = _run(
+                task, ordered[0], scale, lr, mode=mode, base=base, gains=gains, **kw
             )
-            for s in ordered
-        ]
+        return runs[mode, scale]
+
+    movements = {mode: [_movement(run(mode, s)) for s in ordered] for mode in modes}
+    gains = _hidden_gains([run("standard", s) for s in ordered]) if measured else None
     names = [n for n in base.names if all(n in m for ms in movements.values() for m in ms)]
     out: dict[str, Any] = {}
     for mode, per_scale in movements.items():
@@ -209,19 +237,30 @@ def coord_check(
             "drift": drift,
             "flagged": [n for n in names if drift[n] > threshold],
         }
-    return {
+    result = {
         "scales": ordered,
         "lr": lr,
         "names": names,
         "modes": out,
+        "gains": gains,
         "threshold": threshold,
         "steps": steps,
         "seed": seed,
     }
+    return {**result, "prediction": predict(result)}
+
+
+def _hidden_gains(records: Sequence[FSLRRecord]) -> dict[str, list[float]]:
+    """Per tensor hidden at the largest scale (against the smallest), its feature gain at
+    each scale (tensors without a gain at some scale left out)."""
+    hidden = hidden_fan_in(records[-1].shapes, records[0].shapes)
+    per_scale = [r.meta["feature_gain"] for r in records]
+    return {n: [g[n] for g in per_scale] for n in hidden if all(n in g for g in per_scale)}
 
 
 def format_check(result: Mapping[str, Any]) -> str:
-    """The table of :func:`coord_check`: movement per tensor and scale, drift, flags.
+    """The table of :func:`coord_check`: movement per tensor and scale, drift, flags; the
+    hidden tensors' feature gains and the matrix's prediction where the result has them.
 
     Examples:
         >>> r = {"scales": [1.0, 4.0], "names": ["w"], "threshold": 2.0, "modes": {
@@ -252,4 +291,17 @@ def format_check(result: Mapping[str, Any]) -> str:
             f"! drifts by more than {result['threshold']:g}x over the scales: "
             f"{len(data['flagged'])} of {len(result['names'])} tensor(s)"
         )
+    gains = result.get("gains")
+    if gains:
+        lines += ["", "feature gain G_W of the first update (hidden tensors)"]
+        lines.append(
+            f"{'tensor':<{width}}  "
+            + "".join(f"{scale_key(s) + 'x':<10}" for s in result["scales"])
+            + "last/first"
+        )
+        for n, g in gains.items():
+            cells = "".join(f"{v:<10.3g}" for v in g)
+            lines.append(f"{n:<{width}}  {cells}{g[-1] / g[0]:.2f}")
+    if "prediction" in result:
+        lines += ["", *textwrap.wrap("prediction: " + result["prediction"]["text"], 96)]
     return "\n".join(line.rstrip() for line in lines)

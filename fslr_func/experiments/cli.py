@@ -23,13 +23,14 @@ Examples:
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..io.atomic import write_json
 from ..io.record_meta import library_version
@@ -54,6 +55,9 @@ from .configs import (
     SweepConfig,
 )
 from .train import OPTIMIZERS
+
+if TYPE_CHECKING:
+    from .task import Task
 
 __all__ = ["build_parser", "main", "parse_lrs"]  # parse_lrs: its home is cli_args
 
@@ -164,6 +168,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         type=real_type("threshold"),
         default=2.0,
         help="flag tensors whose movement changes by more than this factor (default: 2)",
+    )
+    check.add_argument(
+        "--task",
+        default=None,
+        metavar="MODULE:NAME",
+        help="your own model family: a Task (fslr_func.experiments.task.Task), or a function "
+        "of no arguments returning one, importable as MODULE:NAME (instead of --model, --data, "
+        "--width, --depth, --batch-size, --axis; --scales default 1,2,4,8)",
     )
     check.add_argument("--out", type=Path, default=None, help="default: fslr_runs/check")
     check.add_argument("--no-plots", action="store_true", help="write check.json only")
@@ -316,26 +328,36 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             f"argument --steps: must be in [2, {INT_RANGES['steps'][1]}] (step 0 is FLeRM's "
             f"set point), got {args.steps}"
         )
-    try:
-        config = SweepConfig.for_model(
-            args.model or "resmlp", lrs=(args.lr,), steps=args.steps, last=1, **given
-        ).validate()
-    except ConfigError as err:
-        parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
-    _check_size(config, parser)
+    config: SweepConfig | None = None
+    if args.task is not None:
+        clash = [_FLAG.get(f, f) for f in ("model", *given) if getattr(args, f) is not None]
+        if [c for c in clash if c != "--scales"]:
+            parser.error(f"argument --task: the task is the model and its data: drop {clash}")
+        task = _user_task(args.task, parser)
+        scales = tuple(args.scales or (1, 2, 4, 8))
+        what = task.name
+    else:
+        try:
+            config = SweepConfig.for_model(
+                args.model or "resmlp", lrs=(args.lr,), steps=args.steps, last=1, **given
+            ).validate()
+        except ConfigError as err:
+            parser.error(f"argument {_FLAG.get(err.field, err.field)}: {err.message}")
+        _check_size(config, parser)
+        task, scales = builtin_task(config), config.scales
+        what = f"{config.model} on {config.data}, {config.axis}"
     if args.every > args.steps:
         parser.error(f"argument --every: must be in [1, --steps={args.steps}], got {args.every}")
     out: Path = args.out or Path("fslr_runs") / "check"
     if out.exists() and not out.is_dir():
         parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
     _note(
-        f"fslr check: {config.model} on {config.data}, {config.axis} x "
-        f"{','.join(f'{s:g}' for s in config.scales)}, lr {args.lr:g}, {args.steps} steps -> {out}"
+        f"fslr check: {what} x {','.join(f'{s:g}' for s in scales)}, lr {args.lr:g}, "
+        f"{args.steps} steps -> {out}"
     )
-    task = builtin_task(config)
     result = coord_check(
         task,
-        config.scales,
+        scales,
         args.lr,
         steps=args.steps,
         seed=args.seed,
@@ -344,8 +366,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         modes=args.modes,
         threshold=args.threshold,
     )
-    result["task"] = config.task_name
-    result["config"] = config.to_dict()
+    result["task"] = task.name if config is None else config.task_name
+    if config is not None:
+        result["config"] = config.to_dict()
     written = [out / "check.json"]
     write_json(written[0], result, parents=True)
     if not args.no_plots:
@@ -358,6 +381,29 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(format_check(result))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _user_task(spec: str, parser: argparse.ArgumentParser) -> Task:
+    """The :class:`~fslr_func.experiments.task.Task` named by ``--task MODULE:NAME`` (a task,
+    or a function of no arguments returning one)."""
+    from .task import Task
+
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        parser.error(f"argument --task: expected MODULE:NAME (e.g. mypkg.tasks:mlp), got {spec!r}")
+    if os.getcwd() not in sys.path:  # as `python -m`: modules of the current directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as err:
+        parser.error(f"argument --task: cannot import {spec!r}: {err}")
+    task = found() if callable(found) and not isinstance(found, Task) else found
+    if not isinstance(task, Task):
+        parser.error(
+            f"argument --task: {spec!r} gives {type(task).__name__}, not a "
+            "fslr_func.experiments.task.Task (name a task or a function returning one)"
+        )
+    return task
 
 
 def main(argv: Sequence[str] | None = None) -> int:

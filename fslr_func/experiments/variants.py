@@ -85,7 +85,7 @@ import torch
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from ..training import policies
-from ..training.feature_gains import hidden_fan_in
+from ..training.feature_gains import hidden_fan_in, readout_of
 from ..training.flerm import FLeRM, SetPoint
 from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
@@ -94,6 +94,7 @@ __all__ = [
     "VARIANTS",
     "FeatureWindowFLeRM",
     "HiddenWidthPolicy",
+    "ReadoutGainFLeRM",
     "Variant",
     "WindowFLeRM",
     "window_ratios",
@@ -298,6 +299,60 @@ class FeatureWindowFLeRM(WindowFLeRM):
         return {n: r * factors.get(n, 1.0) for n, r in ratios.items() if n in keep}
 
 
+class ReadoutGainFLeRM(FLeRM):
+    r"""FLeRM on a readout re-initialised in function space: muP's readout, measured.
+
+    In the standard parametrisation the readout of a model ``m`` times wider moves the output
+    about :math:`\sqrt m` times more per unit of (gradient-aligned) feature movement than the
+    base's (:mod:`fslr_func.training.feature_gains`); muP's readout initialisation and
+    multiplier remove that factor. This does it without rewriting the model: at the first
+    set point (step 0) the hidden tensors' feature gains are measured against the base's,
+    :math:`c = (\prod_W G^\text{base}_W / G^\text{scaled}_W)^{1/k}` over the ``k`` hidden
+    tensors, and after the step the readout's weight is multiplied by :math:`c`: the output
+    then moves per unit of feature movement as the base's does (:math:`c \approx 1/\sqrt 8`
+    for the 8x ResMLP, about 1 for the transformer, whose readout reads a normalised stream:
+    nothing changes there). The rates match output movement, with every tensor upstream of
+    the readout rated :math:`1/c` higher from step 0 (its output movement per unit rate fell
+    by :math:`c`), and, with ``mode="periodic"``, again at every set point as the readout
+    grows. ``readout_scale`` keeps :math:`c` (1 where nothing was measured).
+
+    Args:
+        *args: :class:`~fslr_func.training.flerm.FLeRM`'s.
+        power: :math:`c` is raised to it (2: the readout shrinks as muP's multiplier
+            :math:`1/m` does where the gain grows as :math:`\sqrt m`).
+        **kwargs: :class:`~fslr_func.training.flerm.FLeRM`'s (``match`` is ``"features"``:
+            the base record needs its feature gains).
+    """
+
+    def __init__(self, *args: Any, power: float = 1.0, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "match": "features"})
+        self.power = power
+        self.readout_scale: float | None = None
+        self._pending: float | None = None
+
+    def _measured(self, m: Any) -> None:
+        if self.feature_factors is not None:  # after the first set point: output matching
+            super()._measured(m)
+            return
+        gains = self._feature_factors(m)
+        logs = [math.log(g) for g in gains.values()]
+        scale = math.exp(-self.power * sum(logs) / len(logs)) if logs else 1.0
+        readout = readout_of(self.fm.readout_roles)
+        own = f"{self.fm.name_prefix}{readout}."
+        self.feature_factors = {n: 1.0 / scale for n in self.names if not n.startswith(own)}
+        super()._measured(m)
+        self.feature_factors = {}
+        self.readout_scale = self._pending = scale
+
+    def _finish(self) -> None:
+        super()._finish()  # the set point's update, at its rates, is in place now
+        if self._pending is not None:
+            weight = f"{self.fm.name_prefix}{readout_of(self.fm.readout_roles)}.weight"
+            with torch.no_grad():
+                self.targets.params[weight].mul_(self._pending)
+            self._pending = None
+
+
 @dataclass(frozen=True)
 class Variant:
     """A FLeRM variant: how its controller is made, and how its runs are probed.
@@ -402,6 +457,26 @@ VARIANTS: dict[str, Variant] = {
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True),
         "feature_window30, the window re-matching the hidden tensors only",
         {"beta": 0.0, "samples": 32},
+        recorder=functools.partial(Recorder, feature_gains=True),
+    ),
+    "readout_gain": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: ReadoutGainFLeRM(
+            fm, optimizer, base, **{**kw, "mode": "periodic", "every": 10}
+        ),
+        "readout times the base's feature gain over the scaled (measured at step 0), "
+        "output movement matched every 10 steps",
+        recorder=functools.partial(Recorder, feature_gains=True),
+    ),
+    "readout_gain2": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: ReadoutGainFLeRM(
+            fm, optimizer, base, power=2.0, **{**kw, "mode": "periodic", "every": 10}
+        ),
+        "readout_gain with the square of its factor (muP's 1/m where the gain grows as sqrt m)",
+        recorder=functools.partial(Recorder, feature_gains=True),
+    ),
+    "readout_gain_static": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: ReadoutGainFLeRM(fm, optimizer, base, **kw),
+        "readout_gain, its rates set at step 0 only",
         recorder=functools.partial(Recorder, feature_gains=True),
     ),
     "hidden_sqrt": Variant(

@@ -38,7 +38,12 @@ from ..stats.estimator import ReadoutRole
 from .measurement import Measurement
 from .wrapper import FSLRModule
 
-__all__ = ["feature_gains", "hidden_fan_in", "readout_of", "step_gains"]
+__all__ = ["NoReadoutError", "feature_gains", "hidden_fan_in", "readout_of", "step_gains"]
+
+
+class NoReadoutError(ValueError):
+    """The probe found no readout layer (a head tied to the embedding, an output that is not
+    one module's): a model without one has no features to measure."""
 
 
 def hidden_fan_in(
@@ -171,12 +176,12 @@ def step_gains(
             every tensor the step moved.
 
     Raises:
-        ValueError: the probe found no readout (a head tied to the embedding): there are no
-            features to measure.
+        NoReadoutError: the probe found no readout (a head tied to the embedding): there
+            are no features to measure.
     """
     readout = readout_of(fm.readout_roles)
     if readout is None:
-        raise ValueError(
+        raise NoReadoutError(
             "matching feature movement needs the readout layer, and the probe found none (a "
             "readout tied to another tensor, or an output that is not one module's): pass "
             "with_fslr(..., readout='<module name>')"
