@@ -156,10 +156,10 @@ class ProductStatistics:
             ]
         )
         device = self.log_factors.device
-        # statistic -> its tensor, to spread the tensors' scales over their statistics
-        self.owner = torch.repeat_interleave(
-            torch.arange(len(self.sizes), device=device),
-            torch.tensor(self.sizes, device=device),
+        # statistic -> its tensor, to spread the tensors' scales over their statistics (filled
+        # on the device: a tensor made from a host list is a copy that synchronises a GPU)
+        self.owner = torch.cat(
+            [torch.full((s,), i, device=device) for i, s in enumerate(self.sizes)]
         )
         # q_full enters as |sum Z'| (no square to underflow): its log counts twice
         self.powers = torch.ones_like(self.log_factors)
@@ -215,9 +215,13 @@ class ProductStatistics:
         dtypes = tuple(m.dtype for m in maxima)
         stacked = torch.maximum(torch.stack(list(maxima)), torch.stack(list(minima)).neg_())
         floors = self._floors.get(dtypes)
-        if floors is None:
-            tiny = [torch.finfo(d).tiny for d in dtypes]
-            floors = torch.tensor(tiny, dtype=stacked.dtype, device=stacked.device)
+        if floors is None:  # filled on the device, as the owners above
+            floors = torch.stack(
+                [
+                    torch.full((), torch.finfo(d).tiny, dtype=stacked.dtype, device=stacked.device)
+                    for d in dtypes
+                ]
+            )
             self._floors[dtypes] = floors
         stacked = torch.maximum(stacked, floors)  # float64 if any tensor is
         mantissa, _ = torch.frexp(stacked)  # max |g| = m 2^e, m in [1/2, 1): p = 2^(e-1)
