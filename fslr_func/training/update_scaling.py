@@ -164,9 +164,10 @@ def _local(tensors: Sequence[Tensor]) -> list[Tensor]:
 
 
 class Snapshots:
-    """Copies of tensors before a step, in buffers kept from step to step: one multi-tensor
-    copy and no allocation per step (a fresh megabyte-sized clone is an ``mmap`` and page
-    faults on every step).
+    """Copies of tensors before a step, and their updates, in buffers kept from step to step:
+    no allocation per step (a fresh megabyte-sized tensor is an ``mmap`` and page faults on
+    every step: on the benchmark ResMLP a measured step's updates in kept buffers took its
+    overhead over a one-shot probe from 15 to 7 ms).
 
     Examples:
         >>> w = torch.ones(3)
@@ -176,26 +177,48 @@ class Snapshots:
         >>> second = snaps.take({"w": w})["w"]
         >>> second is first, second.tolist()  # the same buffer, refilled
         (True, [2.0, 2.0, 2.0])
+        >>> updates = Snapshots()
+        >>> updates.differences({"w": w + 1}, {"w": w}, {"w": 0.5})["w"].tolist()
+        [2.0, 2.0, 2.0]
     """
 
     def __init__(self) -> None:
         self._buffers: dict[str, Tensor] = {}
 
-    def take(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Copies of ``tensors`` (valid until the next :meth:`take` of the same names)."""
-        for n, p in tensors.items():
-            kept = self._buffers.get(n)
+    def _kept(self, names: Sequence[str], tensors: Mapping[str, Tensor]) -> list[Tensor]:
+        """The buffers of ``names``, each like its tensor (made again where its shape,
+        dtype or device changed)."""
+        for n in names:
+            p, kept = tensors[n], self._buffers.get(n)
             if kept is None or (kept.shape, kept.dtype, kept.device) != (
                 p.shape,
                 p.dtype,
                 p.device,
             ):
                 self._buffers[n] = torch.empty_like(p.detach())
+        return [self._buffers[n] for n in names]
+
+    def take(self, tensors: Mapping[str, Tensor]) -> dict[str, Tensor]:
+        """Copies of ``tensors`` (valid until the next :meth:`take` of the same names)."""
         names = list(tensors)
-        copies = snapshot(
-            [tensors[n].detach() for n in names], into=[self._buffers[n] for n in names]
-        )
+        copies = snapshot([tensors[n].detach() for n in names], into=self._kept(names, tensors))
         return dict(zip(names, copies, strict=True))
+
+    def differences(
+        self,
+        after: Mapping[str, Tensor],
+        before: Mapping[str, Tensor],
+        rates: Mapping[str, float],
+    ) -> dict[str, Tensor]:
+        """``(after - before) / rate`` for each name of ``rates`` (valid until the next
+        call), one pass per tensor."""
+        names = list(rates)
+        out = self._kept(names, after)
+        with torch.no_grad():
+            for n, into in zip(names, _local(out), strict=True):
+                (a, b) = _local([after[n], before[n]])
+                torch.sub(a, b, out=into).div_(rates[n])
+        return dict(zip(names, out, strict=True))
 
 
 class UpdateScaler:

@@ -119,6 +119,7 @@ class FSLRModule(nn.Module):
         self.readout_roles: dict[str, ReadoutRole] = {}
         self._measuring = False
         self._snapshots = Snapshots()  # the weights before a measured step, reused
+        self._updates = Snapshots()  # its unit-rate updates, reused
         self._strict_load = True
         self.probes = 0
         self.reported: dict[str, int] = {}  # drops already warned about, per tensor
@@ -276,7 +277,7 @@ class FSLRModule(nn.Module):
             yield m
         finally:
             self._measuring = False
-        m.after_step(self.module, scaled)
+        m.after_step(self.module, scaled, self._updates)
         counts = dict(self.ema.counts)
         self.fold(inputs, m.delta, params=m.before, step=step, changed=m.changed)
         m.log_sq, m.ema, m.reported = self.log_sq(), self.ema, self.reported
