@@ -85,7 +85,7 @@ import torch
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from ..training import policies
-from ..training.feature_gains import hidden_fan_in, readout_of
+from ..training.feature_gains import hidden_fan_in, readout_of, step_gains
 from ..training.flerm import FLeRM, SetPoint
 from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
@@ -93,6 +93,8 @@ from ..training.wrapper import FSLRModule
 __all__ = [
     "VARIANTS",
     "FeatureWindowFLeRM",
+    "GainTrackingFLeRM",
+    "GainTrackingRecorder",
     "HiddenWidthPolicy",
     "ReadoutGainFLeRM",
     "Variant",
@@ -325,7 +327,7 @@ class ReadoutGainFLeRM(FLeRM):
     """
 
     def __init__(self, *args: Any, power: float = 1.0, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "match": "features"})
+        super().__init__(*args, **{**kwargs, "match": "features", "feature_power": 1.0})
         self.power = power
         self.readout_scale: float | None = None
         self._pending: float | None = None
@@ -351,6 +353,58 @@ class ReadoutGainFLeRM(FLeRM):
             with torch.no_grad():
                 self.targets.params[weight].mul_(self._pending)
             self._pending = None
+
+
+class GainTrackingRecorder(Recorder):
+    """A base run's recorder that also keeps the feature gains of every recorded update, in
+    ``record.meta["feature_gain_at"]`` (step -> tensor -> gain), for
+    :class:`GainTrackingFLeRM` (``feature_gains`` is on)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "feature_gains": True})
+
+    def _measured(self, m: Any) -> None:
+        at = self.record.meta.setdefault("feature_gain_at", {})
+        at[str(self.t)] = step_gains(self.fm, m)
+        super()._measured(m)
+
+
+class GainTrackingFLeRM(FLeRM):
+    r"""``match="features"`` with the gains followed through training: at every set point
+    (``mode="periodic"``) each hidden tensor's factor is re-measured,
+    :math:`G^\text{scaled}_W(t) / G^\text{base}_W(t')` with :math:`t'` the base record's
+    latest step at or before :math:`t` (:class:`GainTrackingRecorder`), and multiplies its
+    output-matched ratio of step 0 (output movement is matched once). The base's gains are
+    those of the mean record's first seed.
+
+    Args:
+        *args: :class:`~fslr_func.training.flerm.FLeRM`'s.
+        **kwargs: :class:`~fslr_func.training.flerm.FLeRM`'s.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "match": "features"})
+        self._output: dict[str, float] | None = None
+
+    def _measured(self, m: Any) -> None:
+        at = self.base.meta.get("feature_gain_at", {})
+        steps = [int(s) for s in at if int(s) <= self.t]
+        if steps:
+            gains = at[str(max(steps))]
+            self.base_gains = {n: float(g) for n, g in gains.items() if g > 0}
+        self.feature_factors = self._feature_factors(m)
+        super()._measured(m)
+
+    def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
+        factors = self.feature_factors or {}
+        if self._output is None:
+            point = super()._set_point(step, fslr)
+            self._output = {n: r / factors.get(n, 1.0) for n, r in self.ratios.items()}
+            return point
+        self.ratios.update({n: r * factors.get(n, 1.0) for n, r in self._output.items()})
+        rates = self._rates_at(step)
+        lrs = {n: rates[n][1] for n in self.names if n in rates}
+        return SetPoint(step=step, lrs=lrs, fslr=dict(fslr), targets={}, held=())
 
 
 @dataclass(frozen=True)
@@ -447,6 +501,38 @@ VARIANTS: dict[str, Variant] = {
         "static FLeRM, hidden tensors re-scaled to the base's feature movement (measured)",
         recorder=functools.partial(Recorder, feature_gains=True),
     ),
+    "feature_periodic": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: FLeRM(
+            fm,
+            optimizer,
+            base,
+            match="features",
+            **{**kw, "mode": "periodic", "every": 10},
+        ),
+        "feature's hidden factors (measured at step 0) on output matching every 10 steps",
+        recorder=functools.partial(Recorder, feature_gains=True),
+    ),
+    "feature_track": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: GainTrackingFLeRM(
+            fm, optimizer, base, **{**kw, "mode": "periodic", "every": 10}
+        ),
+        "feature with its hidden factors re-measured every 10 steps on the step-0 ratios",
+        recorder=GainTrackingRecorder,
+    ),
+    "feature_sq": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: FLeRM(
+            fm, optimizer, base, match="features", feature_power=2.0, **kw
+        ),
+        "feature with the square of its hidden factors",
+        recorder=functools.partial(Recorder, feature_gains=True),
+    ),
+    "feature_p15": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: FLeRM(
+            fm, optimizer, base, match="features", feature_power=1.5, **kw
+        ),
+        "feature with its hidden factors to the power 1.5",
+        recorder=functools.partial(Recorder, feature_gains=True),
+    ),
     "feature_window30": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM),
         "feature's hidden factors, rates matched at step 0 and over steps 10..30% of the budget",
@@ -472,11 +558,6 @@ VARIANTS: dict[str, Variant] = {
             fm, optimizer, base, power=2.0, **{**kw, "mode": "periodic", "every": 10}
         ),
         "readout_gain with the square of its factor (muP's 1/m where the gain grows as sqrt m)",
-        recorder=functools.partial(Recorder, feature_gains=True),
-    ),
-    "readout_gain_static": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: ReadoutGainFLeRM(fm, optimizer, base, **kw),
-        "readout_gain, its rates set at step 0 only",
         recorder=functools.partial(Recorder, feature_gains=True),
     ),
     "hidden_sqrt": Variant(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -13,7 +14,10 @@ from fslr_func.experiments.configs import SweepConfig
 from fslr_func.experiments.sweep import run_sweep
 from fslr_func.experiments.variants import (
     VARIANTS,
+    GainTrackingFLeRM,
+    GainTrackingRecorder,
     HiddenWidthPolicy,
+    ReadoutGainFLeRM,
     WindowFLeRM,
     window_ratios,
 )
@@ -44,18 +48,21 @@ def _net(width: int) -> nn.Module:
     )
 
 
-def _run(width: int, base: ff.FSLRRecord | None = None, **kw):
+def _run(
+    width: int, base: ff.FSLRRecord | None = None, recorder=ff.Recorder, cls=None, steps=10, **kw
+):
     model = _net(width)
     fm = ff.with_fslr(model, samples=4, seed=0, beta=0.0, strategy="loop")
     opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     probes = (torch.randn(16, 5, generator=g) for _ in range(10_000))
     if base is None:
-        ctl = ff.Recorder(fm, probes, optimizer=opt, warmup_samples=4, every=2)
+        ctl = recorder(fm, probes, optimizer=opt, warmup_samples=4, every=2)
     else:
-        ctl = WindowFLeRM(fm, opt, base, probe_batches=probes, warmup_samples=4, every=2, **kw)
+        make = cls or WindowFLeRM
+        ctl = make(fm, opt, base, probe_batches=probes, warmup_samples=4, every=2, **kw)
     data = torch.Generator().manual_seed(2)
-    for _ in range(10):
+    for _ in range(steps):
         opt.zero_grad()
         x = torch.randn(16, 5, generator=data)
         fm(x).square().mean().backward()
@@ -152,3 +159,50 @@ def test_feature_window_hidden_only_rematches_hidden_tensors_only(tmp_path):
         )
         if not hidden:
             assert a["final_lrs"][name] != pytest.approx(a["lrs"][name])  # re-matched
+
+
+def test_powered_feature_variants_raise_the_hidden_factor_to_their_power(tmp_path):
+    common = _tiny_flerm(scales=(1, 8), steps=3)
+    lrs = {}
+    for v in (None, "feature", "feature_p15", "feature_sq"):
+        res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / str(v), quiet=True)
+        lrs[v] = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]["final_lrs"]
+    for name, plain in lrs[None].items():
+        factor = lrs["feature"][name] / plain  # 1 but for the hidden weights
+        hidden = name.startswith("blocks") and name.endswith("weight")
+        assert (factor > 1.2) if hidden else factor == pytest.approx(1.0), name
+        assert lrs["feature_p15"][name] / plain == pytest.approx(factor**1.5, rel=1e-6), name
+        assert lrs["feature_sq"][name] / plain == pytest.approx(factor**2, rel=1e-6), name
+
+
+def test_gain_tracking_re_measures_the_factors_against_the_base_at_each_set_point():
+    base = _run(8, recorder=GainTrackingRecorder).record
+    at = base.meta["feature_gain_at"]
+    assert sorted(int(s) for s in at) == base.steps == [0, 2, 4, 6, 8]
+    assert at["0"] == base.meta["feature_gain"]  # the first update's, as Recorder's
+    flerm = _run(32, base, cls=GainTrackingFLeRM, mode="periodic")
+    assert [p.step for p in flerm.history] == [0, 2, 4, 6, 8]
+    assert set(flerm.feature_factors) == {"2.weight"}
+    first, last = flerm.history[0], flerm.history[-1]
+    # output movement matched once: every other tensor keeps its step-0 rate
+    assert {n: r for n, r in last.lrs.items() if n != "2.weight"} == {
+        n: r for n, r in first.lrs.items() if n != "2.weight"
+    }
+    assert last.lrs["2.weight"] != pytest.approx(first.lrs["2.weight"])  # re-measured
+
+
+def test_readout_gain_scales_the_readout_once_and_rates_the_rest_by_its_inverse():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    output = _run(32, base, cls=ff.FLeRM)
+    readout = _run(32, base, cls=ReadoutGainFLeRM, mode="periodic")
+    c = readout.readout_scale
+    assert 0.2 < c < 0.9  # the wide model's gain is larger: its readout shrinks
+    ratios0, plain0 = readout.history[0].lrs, output.history[0].lrs
+    for name, lr in plain0.items():  # the same step-0 measurement, rates 1 / c off the readout
+        want = lr if name.startswith("4.") else lr / c
+        assert ratios0[name] == pytest.approx(want, rel=1e-6), name
+    assert readout.history[1].step == 2 and readout._pending is None  # scaled once
+    # after step 0 the readout's weight is c times that of the same step at the same rate
+    one = _run(32, base, cls=ff.FLeRM, steps=1).fm.module[4].weight
+    scaled = _run(32, base, cls=ReadoutGainFLeRM, steps=1).fm.module[4].weight
+    assert torch.allclose(scaled, c * one, rtol=1e-5, atol=1e-7)

@@ -83,12 +83,12 @@ def _base(feature_gains: bool = True) -> FSLRRecord:
     return rec.record
 
 
-def _flerm(base: FSLRRecord, match: str) -> ff.FLeRM:
+def _flerm(base: FSLRRecord, match: str, **kw: float) -> ff.FLeRM:
     fm, opt, probes = _setup(16)
     return _train(
         16,
         (fm, opt, lambda f, o: ff.FLeRM(
-            f, o, base, probe_batches=probes, warmup_samples=4, match=match
+            f, o, base, probe_batches=probes, warmup_samples=4, match=match, **kw
         )),
     )  # fmt: skip
 
@@ -108,6 +108,9 @@ def test_flerm_matching_features_rescales_the_hidden_tensors_only_by_the_gains_r
     for name, r in output.ratios.items():  # same set point, same measured FSLRs
         want = r * (factor if name == "2.weight" else 1.0)
         assert math.isclose(features.ratios[name], want, rel_tol=1e-6), name
+    # feature_power raises the factor (the gains' ratio) to its power
+    powered = _flerm(base, "features", feature_power=1.5).feature_factors["2.weight"]
+    assert math.isclose(powered, factor**1.5, rel_tol=1e-9)
     # exact resume keeps the factors measured once
     fm, opt, probes = _setup(16)
     again = ff.FLeRM(fm, opt, base, probe_batches=probes, warmup_samples=4, match="features")
@@ -126,6 +129,9 @@ def test_matching_features_needs_the_base_gains_and_a_known_mode():
         "2.weight": -2.0}}})  # fmt: skip
     with pytest.raises(ValueError, match="not finite numbers > 0"):
         ff.FLeRM(fm, opt, bad, probe_batches=probes, match="features")
+    for power in (0.0, -1.0, math.nan, math.inf, True, "1.5"):
+        with pytest.raises(ValueError, match="feature_power must be a finite number > 0"):
+            ff.FLeRM(fm, opt, plain, probe_batches=probes, feature_power=power)  # type: ignore[arg-type]
 
 
 def test_a_seed_mean_keeps_the_geometric_mean_of_the_gains():
