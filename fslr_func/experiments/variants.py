@@ -545,6 +545,12 @@ VARIANTS: dict[str, Variant] = {
         {"beta": 0.0, "samples": 32},
         recorder=functools.partial(Recorder, feature_gains=True),
     ),
+    "feature_window30h_p15": Variant(
+        _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True, feature_power=1.5),
+        "feature_window30h with feature_power 1.5",
+        {"beta": 0.0, "samples": 32},
+        recorder=functools.partial(Recorder, feature_gains=True),
+    ),
     "readout_gain": Variant(
         lambda fm, optimizer, base, *, steps, **kw: ReadoutGainFLeRM(
             fm, optimizer, base, **{**kw, "mode": "periodic", "every": 10}
