@@ -84,8 +84,9 @@ import torch
 
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
+from ..probe.readout import ReadoutFinder
 from ..training import policies
-from ..training.feature_gains import hidden_fan_in, readout_of, step_gains
+from ..training.feature_gains import feature_gains, hidden_fan_in, readout_of, step_gains
 from ..training.flerm import FLeRM, SetPoint
 from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
@@ -355,6 +356,57 @@ class ReadoutGainFLeRM(FLeRM):
             self._pending = None
 
 
+class ReadoutInitFLeRM(FLeRM):
+    r""":class:`ReadoutGainFLeRM`'s readout scale, applied before the first step: muP's small
+    readout from the start, measured.
+
+    Before the first set point's step (the gradients are in, the weights not yet moved) each
+    hidden tensor's feature gain is measured for the update Adam's first step takes,
+    :math:`-\mathrm{sign}(g)`, on one probe batch, against the base record's (the same first
+    update of the base run); the readout's weight is multiplied by
+    :math:`c = (\prod_W G^\text{base}_W / G^\text{scaled}_W)^{1/k}`, and FLeRM then matches
+    output movement (``mode="periodic"``: again every ``every`` steps as the readout grows).
+    ``readout_scale`` keeps :math:`c`.
+
+    Args:
+        *args: :class:`~fslr_func.training.flerm.FLeRM`'s.
+        **kwargs: :class:`~fslr_func.training.flerm.FLeRM`'s (the base record needs its
+            feature gains).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "match": "features"})
+        self.readout_scale: float | None = None
+
+    def _prepare(self, optimizers: list[torch.optim.Optimizer]) -> None:
+        if self.readout_scale is None:
+            self.readout_scale = self._rescale_readout()
+            self.feature_factors = {}  # the readout carries the factor: output matching
+        super()._prepare(optimizers)
+
+    def _rescale_readout(self) -> float:
+        prefix, params = self.fm.name_prefix, self.targets.params
+        model = self.fm.module
+        (x,) = self._feed.take(1)
+        with torch.no_grad(), ReadoutFinder(model) as finder:
+            out = model(*x) if isinstance(x, tuple) else model(x)
+            readout = finder.find(out)
+        shapes = {n.removeprefix(prefix): tuple(params[n].shape) for n in self.names}
+        delta = {
+            n: -params[prefix + n].grad.sign()  # type: ignore[union-attr]
+            for n in hidden_fan_in(shapes, self.base.shapes)
+            if n in self.base_gains and params[prefix + n].grad is not None
+        }
+        if readout is None or not delta:
+            return 1.0
+        gains = feature_gains(model, x, delta, readout=readout)
+        logs = [math.log(self.base_gains[n] / g) for n, g in gains.items()]
+        scale = math.exp(sum(logs) / len(logs)) if logs else 1.0
+        with torch.no_grad():
+            params[f"{prefix}{readout}.weight"].mul_(scale)
+        return scale
+
+
 class GainTrackingRecorder(Recorder):
     """A base run's recorder that also keeps the feature gains of every recorded update, in
     ``record.meta["feature_gain_at"]`` (step -> tensor -> gain), for
@@ -564,6 +616,14 @@ VARIANTS: dict[str, Variant] = {
             fm, optimizer, base, power=2.0, **{**kw, "mode": "periodic", "every": 10}
         ),
         "readout_gain with the square of its factor (muP's 1/m where the gain grows as sqrt m)",
+        recorder=functools.partial(Recorder, feature_gains=True),
+    ),
+    "readout_init": Variant(
+        lambda fm, optimizer, base, *, steps, **kw: ReadoutInitFLeRM(
+            fm, optimizer, base, **{**kw, "mode": "periodic", "every": 10}
+        ),
+        "readout times the base's feature gain over the scaled before step 0, output movement "
+        "matched every 10 steps",
         recorder=functools.partial(Recorder, feature_gains=True),
     ),
     "hidden_sqrt": Variant(

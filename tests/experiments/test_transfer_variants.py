@@ -18,6 +18,7 @@ from fslr_func.experiments.variants import (
     GainTrackingRecorder,
     HiddenWidthPolicy,
     ReadoutGainFLeRM,
+    ReadoutInitFLeRM,
     WindowFLeRM,
     window_ratios,
 )
@@ -206,3 +207,18 @@ def test_readout_gain_scales_the_readout_once_and_rates_the_rest_by_its_inverse(
     one = _run(32, base, cls=ff.FLeRM, steps=1).fm.module[4].weight
     scaled = _run(32, base, cls=ReadoutGainFLeRM, steps=1).fm.module[4].weight
     assert torch.allclose(scaled, c * one, rtol=1e-5, atol=1e-7)
+
+
+def test_readout_init_scales_the_readout_before_the_first_step_then_matches_output():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    gain = _run(32, base, cls=ReadoutGainFLeRM, steps=1)
+    init = _run(32, base, cls=ReadoutInitFLeRM, steps=1, mode="periodic")
+    # the same first update (Adam's sign of the gradient), so the same gains and scale
+    assert init.readout_scale == pytest.approx(gain.readout_scale, rel=1e-4)  # Adam: eps
+    assert init.feature_factors == {} and [p.step for p in init.history] == [0]
+    plain = _run(32, base, cls=ff.FLeRM, steps=1).fm.module[4].weight
+    ratio = float(init.fm.module[4].weight.detach().norm() / plain.detach().norm())
+    assert ratio == pytest.approx(init.readout_scale, abs=0.05)  # scaled before one step
+    rates, plain_rates = init.history[0].lrs, _run(32, base, cls=ff.FLeRM, steps=1).history[0].lrs
+    for name in ("0.weight", "2.weight"):  # measured through the smaller readout: higher
+        assert rates[name] > 1.5 * plain_rates[name], name
