@@ -178,8 +178,8 @@ def coord_check(
         warmup_samples: omega samples of the EMA warm-ups.
         optimizer: a name of :data:`~fslr_func.experiments.train.OPTIMIZERS`.
         modes: a subset of :data:`CHECK_MODES`; ``"mup"`` takes the smallest scale as muP's
-            base shapes. The standard runs are made at every scale in any case (they measure
-            the feature gains).
+            base shapes. Where the feature gains can be measured, the standard runs are made
+            at every scale whether asked for or not (they measure them).
         threshold: flag tensors whose movement's max/min ratio over the scales exceeds it.
 
     Returns:

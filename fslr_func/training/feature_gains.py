@@ -43,7 +43,7 @@ __all__ = ["NoReadoutError", "feature_gains", "hidden_fan_in", "readout_of", "st
 
 class NoReadoutError(ValueError):
     """The probe found no readout layer (a head tied to the embedding, an output that is not
-    one module's): a model without one has no features to measure."""
+    one module's), or the readout gets no tensor input: there are no features to measure."""
 
 
 def hidden_fan_in(
@@ -110,7 +110,10 @@ class _ReadoutInput(nn.Module):
         finally:
             handle.remove()
         if not caught:
-            raise ValueError(f"the readout {self.readout!r} was not called with a tensor input")
+            raise NoReadoutError(
+                f"the readout {self.readout!r} was not called with a tensor input: there are no "
+                "features to measure"
+            )
         return caught[-1]
 
 
@@ -137,8 +140,9 @@ def feature_gains(
         output_fn: maps the model output to the tensor whose movement counts, as in the probe.
 
     Raises:
-        ValueError: ``readout`` is not a module of ``model`` or gets no tensor input, and
-            :func:`fslr_func.exact`'s errors.
+        NoReadoutError: ``readout`` gets no tensor input.
+        ValueError: ``readout`` is not a module of ``model``, and :func:`fslr_func.exact`'s
+            errors.
 
     Examples:
         >>> import torch
