@@ -24,6 +24,11 @@ the design covers each factor on at least two families:
 cells, each in its own folder, at the base rate ``b`` the main cell found and its adaptive
 neighbours; its rows are read against the main cell's re-tuned standard training and muP.
 
+``--base-rate CELL=LR`` (repeatable, with ``--variant``) skips a cell's main runs and runs
+the variants at ``b = LR`` (the main table's, docs/reproduction.md) and their adaptive
+neighbours, printing each variant's shift, loss at ``b`` and best loss; the ratio to re-tuned
+standard training is then read against the main table's.
+
 Run: ``nice -n 15 python benchmarks/transfer_matrix.py --jobs 2`` (cached under
 ``fslr_runs/matrix``; a second call re-prints in seconds); ``--cells a,b`` for some cells,
 ``--list`` for their names.
@@ -40,6 +45,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from fslr_func.experiments.cli_args import parse_lrs
 from fslr_func.experiments.configs import SweepConfig, octaves
 from fslr_func.experiments.matrix import adaptive_cell
 
@@ -184,6 +190,18 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def _base_rate(text: str, parser: argparse.ArgumentParser) -> tuple[str, float]:
+    """``CELL=LR`` of ``--base-rate``."""
+    cell, _, lr = text.partition("=")
+    if cell not in {**CELLS, **EXTRA_CELLS}:
+        parser.error(f"--base-rate: unknown cell {cell!r}; --list names them")
+    try:
+        (rate,) = parse_lrs(lr)
+    except (ValueError, argparse.ArgumentTypeError) as err:
+        parser.error(f"--base-rate {text!r}: {err}")
+    return cell, rate
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run (or re-read) the cells and print the matrix; exit status 0."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -197,6 +215,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the read-outs here")
     p.add_argument("--plot", type=Path, default=None, help="also draw the ratios here")
     p.add_argument("--cached", action="store_true", help="train nothing: print what is cached")
+    p.add_argument(
+        "--base-rate",
+        action="append",
+        default=[],
+        metavar="CELL=LR",
+        help="with --variant: skip CELL's main runs, run the variants at b = LR (2^k allowed)",
+    )
     args = p.parse_args(argv)
     if args.list:
         print("\n".join([*CELLS, *EXTRA_CELLS]))
@@ -206,8 +231,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     unknown = [n for n in names if n not in cells]
     if unknown:
         p.error(f"unknown cells {unknown}; --list names them")
+    given = dict(_base_rate(text, p) for text in args.base_rate)
+    if given and not args.variant:
+        p.error("--base-rate runs variants only: give --variant")
     doc: dict[str, Any] = {}
-    for name in names:
+    for name in [n for n in names if n in given]:
+        for variant in args.variant:
+            got = adaptive_cell(
+                cells[name].replace(flerm_variant=variant),
+                args.out / f"{name}+{variant}",
+                modes=("flerm",),
+                tuned=given[name],
+                jobs=args.jobs,
+                log=lambda s: print(s, flush=True),
+                train=not args.cached,
+            )
+            flerm = got["modes"].get("flerm")
+            if flerm is not None:
+                at = flerm["at_tuned"]
+                print(
+                    f"{name} {variant}: shift {flerm['shift']:+.0f}; loss at b "
+                    f"{at['mean']:.4f} (sd {at['sd']:.4f}); best {flerm['best_loss']:.4f}",
+                    flush=True,
+                )
+    for name in [n for n in names if n not in given]:
         config = cells[name]
         t0 = time.perf_counter()
         main_out = adaptive_cell(
@@ -231,12 +278,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 train=not args.cached,
             )
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
-    for variant in [None, *args.variant]:
+    for variant in [None, *args.variant] if doc else []:
         label = f" (FLeRM columns: variant {variant})" if variant else ""
         print(f"\ntransfer matrix{label}, 1x -> 8x width, loss at 8x:\n{HEADER}")
         for name, d in doc.items():
             print(row(name, d["main"], d["variants"][variant] if variant else None))
-    if args.variant:
+    if args.variant and doc:
         print(f"\n{compact(doc, args.variant)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -105,3 +105,36 @@ def test_matrix_script_lists_cells_and_prints_rows(capsys):
         line
         == "| x | 2^-6 | +0 | 1.050 (0.010) | 1.050 | -2 | 1.000 | >=+1 | 0.950 (0.020) | 0.950 |"
     )
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--base-rate", "nope=2^-6", "--variant", "feature"], "unknown cell 'nope'"),
+        (["--base-rate", "resmlp-w32-s150=x", "--variant", "feature"], "'x' is not a number"),
+        (["--base-rate", "resmlp-w32-s150=2^-6"], "give --variant"),
+    ],
+)
+def test_matrix_script_base_rate_refuses_bad_input(args, says, capsys):
+    mod = load_script("benchmarks/transfer_matrix.py")
+    with pytest.raises(SystemExit) as err:
+        mod.main(args)
+    assert err.value.code == 2 and says in capsys.readouterr().err
+
+
+def test_matrix_script_base_rate_runs_the_variant_at_the_given_rate(tmp_path, capsys, monkeypatch):
+    mod = load_script("benchmarks/transfer_matrix.py")
+    seen = {}
+
+    def fake_cell(config, out, *, modes, tuned, **kw):
+        seen.update(variant=config.flerm_variant, modes=modes, tuned=tuned)
+        at = {"mean": 0.5, "sd": 0.01}
+        return {"modes": {"flerm": {"shift": 1.0, "at_tuned": at, "best_loss": 0.4}}}
+
+    monkeypatch.setattr(mod, "adaptive_cell", fake_cell)
+    args = ["--cells", "resmlp-w32-s600", "--base-rate", "resmlp-w32-s600=2^-7"]
+    assert mod.main([*args, "--variant", "feature", "--out", str(tmp_path)]) == 0
+    assert seen == {"variant": "feature", "modes": ("flerm",), "tuned": 2.0**-7}
+    out = capsys.readouterr().out
+    assert "resmlp-w32-s600 feature: shift +1; loss at b 0.5000 (sd 0.0100); best 0.4000" in out
+    assert "transfer matrix" not in out  # no main cell ran: no tables
