@@ -167,7 +167,7 @@ class Snapshots:
     """Copies of tensors before a step, and their updates, in buffers kept from step to step:
     no allocation per step (a fresh megabyte-sized tensor is an ``mmap`` and page faults on
     every step: on the benchmark ResMLP a measured step's updates in kept buffers took its
-    overhead over a one-shot probe from 15 to 7 ms).
+    overhead over a one-shot probe from about 15 to 1-3 ms).
 
     Examples:
         >>> w = torch.ones(3)
