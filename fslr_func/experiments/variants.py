@@ -530,6 +530,25 @@ def _hidden_width(alpha: float) -> Callable[..., FLeRM]:
     return make
 
 
+_GAINS = functools.partial(Recorder, feature_gains=True)
+"""The base runs' recorder of the variants that read feature gains."""
+
+
+def _flerm(
+    cls: type[FLeRM] = FLeRM, *, periodic: bool = False, **options: Any
+) -> Callable[..., FLeRM]:
+    """``make`` of a variant that is ``cls`` built with ``options`` (``periodic``: set points
+    every 10 steps)."""
+
+    def make(
+        fm: FSLRModule, optimizer: torch.optim.Optimizer, base: FSLRRecord, *, steps: int, **kw: Any
+    ) -> FLeRM:
+        every = {"mode": "periodic", "every": 10} if periodic else {}
+        return cls(fm, optimizer, base, **{**kw, **options, **every})
+
+    return make
+
+
 VARIANTS: dict[str, Variant] = {
     "window30": Variant(
         _window(0.3, cumulative=False),
@@ -547,84 +566,64 @@ VARIANTS: dict[str, Variant] = {
         {"beta": 0.0, "samples": 32},
     ),
     "feature": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: FLeRM(
-            fm, optimizer, base, match="features", **kw
-        ),
+        _flerm(match="features"),
         "static FLeRM, hidden tensors re-scaled to the base's feature movement (measured)",
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "feature_periodic": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: FLeRM(
-            fm,
-            optimizer,
-            base,
-            match="features",
-            **{**kw, "mode": "periodic", "every": 10},
-        ),
+        _flerm(match="features", periodic=True),
         "feature's hidden factors (measured at step 0) on output matching every 10 steps",
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "feature_track": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: GainTrackingFLeRM(
-            fm, optimizer, base, **{**kw, "mode": "periodic", "every": 10}
-        ),
+        _flerm(GainTrackingFLeRM, periodic=True),
         "feature with its hidden factors re-measured every 10 steps on the step-0 ratios",
         recorder=GainTrackingRecorder,
     ),
     "feature_sq": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: FLeRM(
-            fm, optimizer, base, match="features", feature_power=2.0, **kw
-        ),
+        _flerm(match="features", feature_power=2.0),
         "feature with the square of its hidden factors",
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "feature_p15": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: FLeRM(
-            fm, optimizer, base, match="features", feature_power=1.5, **kw
-        ),
+        _flerm(match="features", feature_power=1.5),
         "feature with its hidden factors to the power 1.5",
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "feature_window30": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM),
         "feature's hidden factors, rates matched at step 0 and over steps 10..30% of the budget",
         {"beta": 0.0, "samples": 32},
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "feature_window30h": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True),
         "feature_window30, the window re-matching the hidden tensors only",
         {"beta": 0.0, "samples": 32},
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "feature_window30h_p15": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True, feature_power=1.5),
         "feature_window30h with feature_power 1.5",
         {"beta": 0.0, "samples": 32},
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "readout_gain": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: ReadoutGainFLeRM(
-            fm, optimizer, base, **{**kw, "mode": "periodic", "every": 10}
-        ),
+        _flerm(ReadoutGainFLeRM, periodic=True),
         "readout times the base's feature gain over the scaled (measured at step 0), "
         "output movement matched every 10 steps",
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "readout_gain2": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: ReadoutGainFLeRM(
-            fm, optimizer, base, power=2.0, **{**kw, "mode": "periodic", "every": 10}
-        ),
+        _flerm(ReadoutGainFLeRM, periodic=True, power=2.0),
         "readout_gain with the square of its factor (muP's 1/m where the gain grows as sqrt m)",
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "readout_init": Variant(
-        lambda fm, optimizer, base, *, steps, **kw: ReadoutInitFLeRM(
-            fm, optimizer, base, **{**kw, "mode": "periodic", "every": 10}
-        ),
+        _flerm(ReadoutInitFLeRM, periodic=True),
         "readout times the base's feature gain over the scaled before step 0, output movement "
         "matched every 10 steps",
-        recorder=functools.partial(Recorder, feature_gains=True),
+        recorder=_GAINS,
     ),
     "hidden_sqrt": Variant(
         _hidden_width(0.5),
