@@ -330,8 +330,9 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         )
     config: SweepConfig | None = None
     if args.task is not None:
-        clash = [_FLAG.get(f, f) for f in ("model", *given) if getattr(args, f) is not None]
-        if [c for c in clash if c != "--scales"]:
+        chosen = [f for f in ("model", *given) if f != "scales" and getattr(args, f) is not None]
+        clash = [_FLAG[f] for f in chosen]
+        if clash:
             parser.error(f"argument --task: the task is the model and its data: drop {clash}")
         task = _user_task(args.task, parser)
         scales = tuple(args.scales or (1, 2, 4, 8))

@@ -83,7 +83,7 @@ from typing import Any
 import torch
 
 from ..io.record import FSLRRecord
-from ..probe.functional import Inputs
+from ..probe.functional import Inputs, as_output_tensor, split_inputs
 from ..probe.readout import ReadoutFinder
 from ..training import policies
 from ..training.feature_gains import feature_gains, hidden_fan_in, readout_of, step_gains
@@ -302,6 +302,13 @@ class FeatureWindowFLeRM(WindowFLeRM):
         return {n: r * factors.get(n, 1.0) for n, r in ratios.items() if n in keep}
 
 
+def _readout_scale(ratios: Iterable[float]) -> float:
+    """One over the geometric mean of the hidden tensors' gain ratios ``G_scaled / G_base``
+    (1 where there is none): the readout scale that brings the gain back to the base's."""
+    logs = [math.log(r) for r in ratios]
+    return math.exp(-sum(logs) / len(logs)) if logs else 1.0
+
+
 class ReadoutGainFLeRM(FLeRM):
     r"""FLeRM on a readout re-initialised in function space: muP's readout, measured.
 
@@ -337,9 +344,7 @@ class ReadoutGainFLeRM(FLeRM):
         if self.feature_factors is not None:  # after the first set point: output matching
             super()._measured(m)
             return
-        gains = self._feature_factors(m)
-        logs = [math.log(g) for g in gains.values()]
-        scale = math.exp(-self.power * sum(logs) / len(logs)) if logs else 1.0
+        scale = _readout_scale(self._feature_factors(m).values()) ** self.power
         readout = readout_of(self.fm.readout_roles)
         own = f"{self.fm.name_prefix}{readout}."
         self.feature_factors = {n: 1.0 / scale for n in self.names if not n.startswith(own)}
@@ -386,22 +391,20 @@ class ReadoutInitFLeRM(FLeRM):
 
     def _rescale_readout(self) -> float:
         prefix, params = self.fm.name_prefix, self.targets.params
-        model = self.fm.module
+        model, output_fn = self.fm.module, self.fm.options.output_fn
         (x,) = self._feed.take(1)
+        args, kwargs = split_inputs(x)
         with torch.no_grad(), ReadoutFinder(model) as finder:
-            out = model(*x) if isinstance(x, tuple) else model(x)
-            readout = finder.find(out)
-        shapes = {n.removeprefix(prefix): tuple(params[n].shape) for n in self.names}
+            readout = finder.find(as_output_tensor(model(*args, **kwargs), output_fn))
         delta = {
             n: -params[prefix + n].grad.sign()  # type: ignore[union-attr]
-            for n in hidden_fan_in(shapes, self.base.shapes)
+            for n in self._hidden()
             if n in self.base_gains and params[prefix + n].grad is not None
         }
         if readout is None or not delta:
             return 1.0
-        gains = feature_gains(model, x, delta, readout=readout)
-        logs = [math.log(self.base_gains[n] / g) for n, g in gains.items()]
-        scale = math.exp(sum(logs) / len(logs)) if logs else 1.0
+        gains = feature_gains(model, x, delta, readout=readout, output_fn=output_fn)
+        scale = _readout_scale(g / self.base_gains[n] for n, g in gains.items())
         with torch.no_grad():
             params[f"{prefix}{readout}.weight"].mul_(scale)
         return scale

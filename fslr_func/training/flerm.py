@@ -395,12 +395,18 @@ class FLeRM(StepController):
             held=matched.zero + matched.nonfinite + matched.unmatched,
         )
 
+    def _hidden(self) -> dict[str, float]:
+        """The hidden tensors against the base record (bare names -> fan-in multipliers,
+        :func:`~fslr_func.training.feature_gains.hidden_fan_in`)."""
+        prefix = self.fm.name_prefix
+        shapes = {n.removeprefix(prefix): tuple(self.targets.params[n].shape) for n in self.names}
+        return hidden_fan_in(shapes, self.base.shapes)
+
     def _feature_factors(self, m: Measurement) -> dict[str, float]:
         """Per hidden tensor, its scaled feature gain over the base's (both measured), to
         the power ``feature_power``."""
         prefix = self.fm.name_prefix
-        shapes = {n.removeprefix(prefix): tuple(self.targets.params[n].shape) for n in self.names}
-        hidden = hidden_fan_in(shapes, self.base.shapes)
+        hidden = self._hidden()
         gains = step_gains(self.fm, m, names={n for n in hidden if n in self.base_gains})
         power = self.feature_power
         factors = {prefix + n: (gain / self.base_gains[n]) ** power for n, gain in gains.items()}
