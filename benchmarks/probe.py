@@ -25,6 +25,16 @@ and backward ``B = (forward+backward) - F`` measured in the same rounds:
 ``S (F + B) / (F + S B)``, which is ``3S / (1 + 2S)`` (1.41 at S = 8) where ``B = 2F``.
 Targets: each ratio at least 1.3, and at least 90% of the ceiling.
 
+Beside each time, the case's minor page faults per call (median): glibc gives the free top of
+its heap back to the kernel once it exceeds the trim threshold (128 KiB at start, raised by
+glibc to twice the largest block it had mapped on its own and freed, up to 64 MiB), and every
+page touched again after that costs a fault of about 1-2 us. On a small model the blocks
+freed are a few MiB, the threshold stays below what one probe or one sequential call frees,
+and both fault on every call (about 10,000 faults, 10% of the ResMLP's probe); a process
+that has freed a 32 MiB tensor, or runs with ``MALLOC_TRIM_THRESHOLD_`` and
+``MALLOC_MMAP_THRESHOLD_`` set (printed at the top), keeps its heap and faults almost never.
+docs/benchmarks.md quotes both.
+
 ``--profile`` adds the split of one ``estimate`` call into the model's forward (under the
 vjp, with the checks), the backward passes, the statistics and the rest (bookkeeping: omega,
 options, stacking), timed by wrapping those three functions of the library in place.
@@ -47,6 +57,7 @@ import contextlib
 import json
 import math
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -135,19 +146,31 @@ def cases(kind: str, samples: int) -> dict[str, Callable[[], object]]:
     }
 
 
-def interleaved(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
-    """Seconds per case and round; each round runs every case once, the order rotated."""
+def interleaved(
+    fns: dict[str, Callable[[], object]], rounds: int
+) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
+    """Seconds and minor page faults per case and round; each round runs every case once,
+    the order rotated."""
     for fn in fns.values():  # warm-up (torch.func's one-time set-up, the probe's cache)
         fn()
         fn()
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
+    faults: dict[str, list[int]] = {n: [] for n in names}
     for r in range(rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
+            before = minor_faults()
             start = time.perf_counter()
             fns[name]()
             times[name].append(time.perf_counter() - start)
-    return times
+            faults[name].append(minor_faults() - before)
+    return times, faults
+
+
+def minor_faults() -> int:
+    """The process's minor page faults so far (first touches of memory the heap got back
+    from the kernel)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 @contextlib.contextmanager
@@ -234,12 +257,17 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
-def report_speed(kind: str, samples: int, times: dict[str, list[float]]) -> None:
+def report_speed(
+    kind: str, samples: int, times: dict[str, list[float]], faults: dict[str, list[int]]
+) -> None:
     med = {n: statistics.median(t) for n, t in times.items()}
     rounds = len(times["estimate"])
-    print(f"\n{LABELS[kind]}, S={samples}: median seconds of {rounds} interleaved rounds")
+    print(
+        f"\n{LABELS[kind]}, S={samples}: median seconds and minor page faults of {rounds}"
+        " interleaved rounds"
+    )
     for name, t in med.items():
-        print(f"  {name:<18} {t:8.4f}")
+        print(f"  {name:<18} {t:8.4f}  {statistics.median(faults[name]):8.0f} faults")
     seq = times["sequential"]
     one_shot = statistics.median(s / e for s, e in zip(seq, times["estimate"], strict=True))
     wrapped = statistics.median(
@@ -307,9 +335,11 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     rounds = 2 if args.quick else args.rounds
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, no GPU used")
+    tunables = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    print(f"glibc malloc tunables: {tunables or 'none (defaults)'}")
     print(f"before: {load()}")
     for kind in args.models.split(","):
-        report_speed(kind, args.samples, interleaved(cases(kind, args.samples), rounds))
+        report_speed(kind, args.samples, *interleaved(cases(kind, args.samples), rounds))
         if args.profile:
             report_split(kind, args.samples, rounds)
         if not (args.quick or args.no_memory):

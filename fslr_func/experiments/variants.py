@@ -98,6 +98,7 @@ __all__ = [
     "GainTrackingRecorder",
     "HiddenWidthPolicy",
     "ReadoutGainFLeRM",
+    "ReadoutInitWindowFLeRM",
     "Variant",
     "WindowFLeRM",
     "window_ratios",
@@ -410,6 +411,22 @@ class ReadoutInitFLeRM(FLeRM):
         return scale
 
 
+class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
+    """:class:`ReadoutInitFLeRM`'s readout scale before the first step, then
+    :class:`WindowFLeRM`'s re-match of the hidden tensors only (``feature_window30h``'s
+    window, the readout carrying the feature factor): the conv nets' drift of the hidden
+    tensors' movement after the first step, which the window fixes, on muP's small readout.
+
+    Args:
+        *args: :class:`WindowFLeRM`'s.
+        **kwargs: :class:`WindowFLeRM`'s (the base record needs its feature gains).
+    """
+
+    def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
+        hidden = {self.fm.name_prefix + n for n in self._hidden()}
+        return {n: r for n, r in ratios.items() if n in hidden}
+
+
 class GainTrackingRecorder(Recorder):
     """A base run's recorder that also keeps the feature gains of every recorded update, in
     ``record.meta["feature_gain_at"]`` (step -> tensor -> gain), for
@@ -626,6 +643,13 @@ VARIANTS: dict[str, Variant] = {
         _flerm(ReadoutInitFLeRM, periodic=True),
         "readout times the base's feature gain over the scaled before step 0, output movement "
         "matched every 10 steps",
+        recorder=_GAINS,
+    ),
+    "readout_init_window30h": Variant(
+        _window(0.3, cumulative=False, cls=ReadoutInitWindowFLeRM),
+        "readout_init's readout scale before step 0, output movement matched at step 0, then "
+        "the hidden tensors' over steps 10..30% of the budget",
+        {"beta": 0.0, "samples": 32},
         recorder=_GAINS,
     ),
     "hidden_sqrt": Variant(

@@ -19,6 +19,7 @@ from fslr_func.experiments.variants import (
     HiddenWidthPolicy,
     ReadoutGainFLeRM,
     ReadoutInitFLeRM,
+    ReadoutInitWindowFLeRM,
     WindowFLeRM,
     window_ratios,
 )
@@ -222,3 +223,23 @@ def test_readout_init_scales_the_readout_before_the_first_step_then_matches_outp
     rates, plain_rates = init.history[0].lrs, _run(32, base, cls=ff.FLeRM, steps=1).history[0].lrs
     for name in ("0.weight", "2.weight"):  # measured through the smaller readout: higher
         assert rates[name] > 1.5 * plain_rates[name], name
+
+
+def test_readout_init_window_rematches_hidden_tensors_only(tmp_path):
+    common = _tiny_flerm(scales=(1, 8), steps=12)
+    v = "readout_init_window30h"
+    res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
+    run = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
+    assert run["set_points"] == [0, 2]  # step 0, then the window (2, 0.3 * 12 rounded down)
+    for name, lr in run["lrs"].items():
+        hidden = name.startswith("blocks") and name.endswith("weight")
+        moved = run["final_lrs"][name] != pytest.approx(lr)
+        assert moved if hidden else not moved, name
+
+
+def test_readout_init_window_scales_the_readout_as_readout_init_does():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    init = _run(32, base, cls=ReadoutInitFLeRM, steps=1)
+    window = _run(32, base, cls=ReadoutInitWindowFLeRM, steps=1, window=(2, 4))
+    assert window.readout_scale == pytest.approx(init.readout_scale) and window.readout_scale < 0.9
+    assert window.feature_factors == {}  # the readout carries the factor
