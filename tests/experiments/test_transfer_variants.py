@@ -243,3 +243,16 @@ def test_readout_init_window_scales_the_readout_as_readout_init_does():
     window = _run(32, base, cls=ReadoutInitWindowFLeRM, steps=1, window=(2, 4))
     assert window.readout_scale == pytest.approx(init.readout_scale) and window.readout_scale < 0.9
     assert window.feature_factors == {}  # the readout carries the factor
+
+
+def test_raise_only_window_keeps_the_higher_of_the_step0_and_window_rates(tmp_path):
+    common = _tiny_flerm(scales=(1, 8), steps=12)
+    runs = {}
+    for v in ("feature_window30h_p15", "feature_window30h_p15_up"):
+        res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
+        runs[v] = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
+    both, up = runs["feature_window30h_p15"], runs["feature_window30h_p15_up"]
+    assert up["lrs"] == both["lrs"]  # the same step 0; the window re-matches at step 2
+    for name, lr in both["lrs"].items():
+        want = max(lr, both["final_lrs"][name])
+        assert up["final_lrs"][name] == pytest.approx(want, rel=1e-9), name
