@@ -667,6 +667,11 @@ VARIANTS: dict[str, Variant] = {
         "matched every 10 steps",
         recorder=_GAINS,
     ),
+    "readout_init_static": Variant(
+        _flerm(ReadoutInitFLeRM),
+        "readout_init with output movement matched once, at step 0 (static)",
+        recorder=_GAINS,
+    ),
     "readout_init_window30h": Variant(
         _window(0.3, cumulative=False, cls=ReadoutInitWindowFLeRM),
         "readout_init's readout scale before step 0, output movement matched at step 0, then "

@@ -256,3 +256,15 @@ def test_raise_only_window_keeps_the_higher_of_the_step0_and_window_rates(tmp_pa
     for name, lr in both["lrs"].items():
         want = max(lr, both["final_lrs"][name])
         assert up["final_lrs"][name] == pytest.approx(want, rel=1e-9), name
+
+
+def test_readout_init_static_matches_once_on_the_scaled_readout(tmp_path):
+    common = _tiny_flerm(scales=(1, 8), steps=12)  # periodic: set points every 10 steps
+    runs = {}
+    for v in ("readout_init", "readout_init_static"):
+        res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
+        runs[v] = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
+    static, periodic = runs["readout_init_static"], runs["readout_init"]
+    assert static["set_points"] == [0] and len(periodic["set_points"]) > 1
+    assert static["lrs"] == pytest.approx(periodic["lrs"])  # the same scaled readout at step 0
+    assert static["final_lrs"] == static["lrs"]
