@@ -21,6 +21,7 @@ from fslr_func.experiments.variants import (
     ReadoutInitCappedFLeRM,
     ReadoutInitFLeRM,
     ReadoutInitWindowFLeRM,
+    ReadoutWidthFLeRM,
     WindowFLeRM,
     window_ratios,
 )
@@ -282,3 +283,12 @@ def test_readout_init_capped_never_raises_a_rate_above_its_step0_value():
     for name, lr in free.history[1].lrs.items():  # the same run up to the second set point
         assert later[name] == pytest.approx(min(lr, first[name]), rel=1e-9), name
     assert any(lr > first[n] for n, lr in free.history[1].lrs.items())  # the cap was needed
+
+
+def test_readout_width_scales_the_readout_by_muPs_factor_before_the_first_step():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    width = _run(32, base, cls=ReadoutWidthFLeRM, steps=1, mode="periodic")
+    assert width.readout_scale == pytest.approx(0.5)  # sqrt(8 / 32): the readout's fan-in
+    init = _run(32, base, cls=ReadoutInitFLeRM, steps=1, mode="periodic")
+    ratio = float(width.fm.module[4].weight.norm() / init.fm.module[4].weight.norm())
+    assert ratio == pytest.approx(0.5 / init.readout_scale, rel=0.05)  # after one step
