@@ -77,7 +77,7 @@ import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -98,7 +98,6 @@ __all__ = [
     "GainTrackingRecorder",
     "HiddenWidthPolicy",
     "ReadoutGainFLeRM",
-    "ReadoutInitCappedFLeRM",
     "ReadoutInitWindowFLeRM",
     "ReadoutWidthFLeRM",
     "Variant",
@@ -452,31 +451,6 @@ class ReadoutWidthFLeRM(ReadoutInitFLeRM):
         return math.sqrt(math.prod(base[1:]) / math.prod(shape.shape[1:]))
 
 
-class ReadoutInitCappedFLeRM(ReadoutInitFLeRM):
-    """:class:`ReadoutInitFLeRM` whose periodic re-match never raises a rate above its
-    step-0 value: on the conv nets without BatchNorm the re-match raises the input layer's
-    rate to 1.4-1.8x the base's over the run (muP keeps it at 1x), on the 300 and 600-step
-    ResMLP it lowers the input layer's and the readout's, where that helps.
-
-    Args:
-        *args: :class:`ReadoutInitFLeRM`'s.
-        **kwargs: :class:`ReadoutInitFLeRM`'s.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._caps: dict[str, float] | None = None
-
-    def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
-        point = super()._set_point(step, fslr)
-        if self._caps is None:
-            self._caps = dict(self.ratios)
-            return point
-        self.ratios.update({n: min(r, self._caps.get(n, r)) for n, r in self.ratios.items()})
-        rates = self._rates_at(step)
-        return replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
-
-
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
     """:class:`ReadoutInitFLeRM`'s readout scale before the first step, then
     :class:`WindowFLeRM`'s re-match of the hidden tensors only (``feature_window30h``'s
@@ -722,17 +696,6 @@ VARIANTS: dict[str, Variant] = {
         _flerm(ReadoutInitFLeRM, periodic=True),
         "readout times the base's feature gain over the scaled before step 0, output movement "
         "matched every 10 steps",
-        recorder=_GAINS,
-    ),
-    "readout_init_capped": Variant(
-        _flerm(ReadoutInitCappedFLeRM, periodic=True),
-        "readout_init whose re-match every 10 steps never raises a rate above step 0's",
-        recorder=_GAINS,
-    ),
-    "readout_width": Variant(
-        _flerm(ReadoutWidthFLeRM, periodic=True),
-        "readout_init with muP's readout scale sqrt(base fan-in / fan-in) instead of the "
-        "measured gain ratio",
         recorder=_GAINS,
     ),
     "readout_init_static": Variant(

@@ -18,7 +18,6 @@ from fslr_func.experiments.variants import (
     GainTrackingRecorder,
     HiddenWidthPolicy,
     ReadoutGainFLeRM,
-    ReadoutInitCappedFLeRM,
     ReadoutInitFLeRM,
     ReadoutInitWindowFLeRM,
     ReadoutWidthFLeRM,
@@ -270,19 +269,6 @@ def test_readout_init_static_matches_once_on_the_scaled_readout(tmp_path):
     assert static["set_points"] == [0] and len(periodic["set_points"]) > 1
     assert static["lrs"] == pytest.approx(periodic["lrs"])  # the same scaled readout at step 0
     assert static["final_lrs"] == static["lrs"]
-
-
-def test_readout_init_capped_never_raises_a_rate_above_its_step0_value():
-    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
-    free = _run(32, base, cls=ReadoutInitFLeRM, mode="periodic", steps=10)
-    capped = _run(32, base, cls=ReadoutInitCappedFLeRM, mode="periodic", steps=10)
-    assert [p.step for p in capped.history] == [p.step for p in free.history]
-    first = capped.history[0].lrs
-    assert first == pytest.approx(free.history[0].lrs)
-    later = capped.history[1].lrs
-    for name, lr in free.history[1].lrs.items():  # the same run up to the second set point
-        assert later[name] == pytest.approx(min(lr, first[name]), rel=1e-9), name
-    assert any(lr > first[n] for n, lr in free.history[1].lrs.items())  # the cap was needed
 
 
 def test_readout_width_scales_the_readout_by_muPs_factor_before_the_first_step():
