@@ -698,6 +698,12 @@ VARIANTS: dict[str, Variant] = {
         "matched every 10 steps",
         recorder=_GAINS,
     ),
+    "readout_width": Variant(
+        _flerm(ReadoutWidthFLeRM, periodic=True),
+        "readout_init with muP's readout scale sqrt(base fan-in / fan-in) instead of the "
+        "measured gain ratio",
+        recorder=_GAINS,
+    ),
     "readout_init_static": Variant(
         _flerm(ReadoutInitFLeRM),
         "readout_init with output movement matched once, at step 0 (static)",

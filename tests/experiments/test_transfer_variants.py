@@ -280,3 +280,16 @@ def test_readout_width_scales_the_readout_by_muPs_factor_before_the_first_step()
         width.fm.module[4].weight.detach().norm() / init.fm.module[4].weight.detach().norm()
     )
     assert ratio == pytest.approx(0.5 / init.readout_scale, rel=0.05)  # after one step
+
+
+def test_every_variant_class_of_the_module_is_registered():
+    import fslr_func.experiments.variants as v
+
+    used = {type(v.VARIANTS[name]) for name in v.VARIANTS}
+    assert used == {v.Variant}
+    assert {
+        "readout_init",
+        "readout_init_static",
+        "readout_width",
+        "readout_init_window30h",
+    } <= set(v.VARIANTS)
