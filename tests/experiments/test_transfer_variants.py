@@ -282,14 +282,6 @@ def test_readout_width_scales_the_readout_by_muPs_factor_before_the_first_step()
     assert ratio == pytest.approx(0.5 / init.readout_scale, rel=0.05)  # after one step
 
 
-def test_every_variant_class_of_the_module_is_registered():
-    import fslr_func.experiments.variants as v
-
-    used = {type(v.VARIANTS[name]) for name in v.VARIANTS}
-    assert used == {v.Variant}
-    assert {
-        "readout_init",
-        "readout_init_static",
-        "readout_width",
-        "readout_init_window30h",
-    } <= set(v.VARIANTS)
+def test_the_measured_readout_variants_are_registered():
+    names = {"readout_init", "readout_init_static", "readout_width", "readout_init_window30h"}
+    assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
