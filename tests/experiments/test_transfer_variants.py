@@ -44,6 +44,17 @@ def _tiny_flerm(**changes: object) -> dict[str, object]:
     }
 
 
+def _flerm_runs(tmp_path, *variants: str, steps: int) -> dict[str, dict]:
+    """The 8x FLeRM run of a tiny two-scale sweep per variant (the same seed and rate)."""
+    common = _tiny_flerm(scales=(1, 8), steps=steps)
+    return {
+        v: run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True).runs[
+            "flerm_scale=8_lr=0.01_seed=0"
+        ]["flerm"]
+        for v in variants
+    }
+
+
 def _net(width: int) -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
@@ -147,13 +158,9 @@ def test_feature_variant_rescales_only_hidden_tensors_by_the_measured_gain(tmp_p
 
 
 def test_feature_window_hidden_only_rematches_hidden_tensors_only(tmp_path):
-    common = _tiny_flerm(scales=(1, 8), steps=12)
-    runs = {}
-    for v in ("feature_window30", "feature_window30h"):
-        res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
-        runs[v] = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
-        assert runs[v]["set_points"] == [0, 2]  # window (2, 0.3 * 12 rounded down to 2)
+    runs = _flerm_runs(tmp_path, "feature_window30", "feature_window30h", steps=12)
     a, b = runs["feature_window30"], runs["feature_window30h"]
+    assert a["set_points"] == b["set_points"] == [0, 2]  # window (2, 0.3 * 12 rounded down)
     assert a["lrs"] == b["lrs"]
     for name in a["lrs"]:
         hidden = name.startswith("blocks") and name.endswith("weight")
@@ -227,10 +234,7 @@ def test_readout_init_scales_the_readout_before_the_first_step_then_matches_outp
 
 
 def test_readout_init_window_rematches_hidden_tensors_only(tmp_path):
-    common = _tiny_flerm(scales=(1, 8), steps=12)
-    v = "readout_init_window30h"
-    res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
-    run = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
+    run = _flerm_runs(tmp_path, "readout_init_window30h", steps=12)["readout_init_window30h"]
     assert run["set_points"] == [0, 2]  # step 0, then the window (2, 0.3 * 12 rounded down)
     for name, lr in run["lrs"].items():
         hidden = name.startswith("blocks") and name.endswith("weight")
@@ -247,11 +251,7 @@ def test_readout_init_window_scales_the_readout_as_readout_init_does():
 
 
 def test_raise_only_window_keeps_the_higher_of_the_step0_and_window_rates(tmp_path):
-    common = _tiny_flerm(scales=(1, 8), steps=12)
-    runs = {}
-    for v in ("feature_window30h_p15", "feature_window30h_p15_up"):
-        res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
-        runs[v] = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
+    runs = _flerm_runs(tmp_path, "feature_window30h_p15", "feature_window30h_p15_up", steps=12)
     both, up = runs["feature_window30h_p15"], runs["feature_window30h_p15_up"]
     assert up["lrs"] == both["lrs"]  # the same step 0; the window re-matches at step 2
     for name, lr in both["lrs"].items():
@@ -260,11 +260,7 @@ def test_raise_only_window_keeps_the_higher_of_the_step0_and_window_rates(tmp_pa
 
 
 def test_readout_init_static_matches_once_on_the_scaled_readout(tmp_path):
-    common = _tiny_flerm(scales=(1, 8), steps=12)  # periodic: set points every 10 steps
-    runs = {}
-    for v in ("readout_init", "readout_init_static"):
-        res = run_sweep(SweepConfig(**common, flerm_variant=v), tmp_path / v, quiet=True)
-        runs[v] = res.runs["flerm_scale=8_lr=0.01_seed=0"]["flerm"]
+    runs = _flerm_runs(tmp_path, "readout_init", "readout_init_static", steps=12)  # every 10
     static, periodic = runs["readout_init_static"], runs["readout_init"]
     assert static["set_points"] == [0] and len(periodic["set_points"]) > 1
     assert static["lrs"] == pytest.approx(periodic["lrs"])  # the same scaled readout at step 0
