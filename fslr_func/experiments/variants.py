@@ -290,9 +290,10 @@ class FeatureWindowFLeRM(WindowFLeRM):
             step-0 rates): on the ResMLP the window raises the readout's rate, which costs
             loss there (``benchmarks/transfer_boost.py``), while the hidden tensors' drift is
             what the conv nets' loss follows.
-        raise_only: the window's re-match never lowers a rate below its step-0 value: on
-            the conv nets it raises the hidden tensors' rates (x1.9 on the 1-D net), on the
-            600-step ResMLP it lowers them, which costs loss there.
+        raise_only: the window's re-match never lowers a rate below its step-0 value (to
+            test whether lowering was what cost the 600-step ResMLP; measured: it was not,
+            the window raises the hidden tensors' rates there as on the conv nets,
+            docs/reproduction.md).
         *args: :class:`WindowFLeRM`'s.
         **kwargs: :class:`WindowFLeRM`'s (``match`` is ``"features"``).
     """
