@@ -235,18 +235,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if given and not args.variant:
         p.error("--base-rate runs variants only: give --variant")
     doc: dict[str, Any] = {}
+
+    def variant_cell(name: str, variant: str, tuned: float) -> dict[str, Any]:
+        """FLeRM with ``variant`` on cell ``name`` around the base rate ``tuned``."""
+        return adaptive_cell(
+            cells[name].replace(flerm_variant=variant),
+            args.out / f"{name}+{variant}",
+            modes=("flerm",),
+            tuned=tuned,
+            jobs=args.jobs,
+            log=lambda s: print(s, flush=True),
+            train=not args.cached,
+        )
+
     for name in [n for n in names if n in given]:
         for variant in args.variant:
-            got = adaptive_cell(
-                cells[name].replace(flerm_variant=variant),
-                args.out / f"{name}+{variant}",
-                modes=("flerm",),
-                tuned=given[name],
-                jobs=args.jobs,
-                log=lambda s: print(s, flush=True),
-                train=not args.cached,
-            )
-            flerm = got["modes"].get("flerm")
+            flerm = variant_cell(name, variant, given[name])["modes"].get("flerm")
             if flerm is not None:
                 at = flerm["at_tuned"]
                 print(
@@ -268,15 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             continue
         doc[name] = {"main": main_out, "variants": {}}
         for variant in args.variant:
-            doc[name]["variants"][variant] = adaptive_cell(
-                config.replace(flerm_variant=variant),
-                args.out / f"{name}+{variant}",
-                modes=("flerm",),
-                tuned=main_out["tuned"],
-                jobs=args.jobs,
-                log=lambda s: print(s, flush=True),
-                train=not args.cached,
-            )
+            doc[name]["variants"][variant] = variant_cell(name, variant, main_out["tuned"])
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     for variant in [None, *args.variant] if doc else []:
         label = f" (FLeRM columns: variant {variant})" if variant else ""

@@ -108,22 +108,15 @@ class Measurement:
         # FLeRM may scale this step's update inside the block: then it was taken at its rate
         return cls(before, lrs), ScaledSince(optimizers)
 
-    def after_step(
-        self, module: nn.Module, scaled: ScaledSince, updates: Snapshots | None = None
-    ) -> None:
+    def after_step(self, module: nn.Module, scaled: ScaledSince, updates: Snapshots) -> None:
         """The unit-rate updates ``(after - before) / lr``, each divided by the rate it was
-        taken at (into ``updates``' buffers where given, reused step to step: :attr:`delta`
-        is then valid until the next step), and which tensors moved (decided on the device:
-        reading it would synchronise every step; an unchanged tensor's probe is computed but
-        not folded in)."""
+        taken at, into ``updates``' buffers, reused step to step (:attr:`delta` is valid
+        until the next step), and which tensors moved (decided on the device: reading it
+        would synchronise every step; an unchanged tensor's probe is computed but not folded
+        in)."""
         current = dict(module.named_parameters())
         self.lrs = lrs = {**self.lrs, **scaled.rates(module, self.lrs)}
-        if updates is None:  # one allocation per tensor: the difference, divided in place
-            self.delta = {
-                n: torch.sub(current[n].detach(), self.before[n]).div_(lrs[n]) for n in lrs
-            }
-        else:
-            self.delta = updates.differences(current, self.before, lrs)
+        self.delta = updates.differences(current, self.before, lrs)
         self.changed = {n: _changed(self.delta[n]) for n in lrs}
 
     def read(self) -> Reading:
