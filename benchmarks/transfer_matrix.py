@@ -78,6 +78,14 @@ EXTRA_CELLS: dict[str, SweepConfig] = {
     # the transformer cell with the 3 seeds of the PreNorm sweep above (benchmarks/transfer.py)
     "transformer-d16-s150-3seeds": _cell("transformer", 150, 3, width=16, lrs=octaves(-10, -3)),
 }
+#: Held-out cells: combinations of data, budget and base width that no variant or option was
+#: chosen on (named before any of them was run), to check that the matrix's findings hold off it.
+HELD_OUT_CELLS: dict[str, SweepConfig] = {
+    "resmlp-aug-w32-s300": _cell("resmlp", 300, 3, data="digits_aug"),
+    "resmlp-w64-s600": _cell("resmlp", 600, 2, width=64),
+    "conv1d-bn-w16-s300": _cell("resconv_bn", 300, 2),
+    "conv2d-w8-s300": _cell("resconv", 300, 2, data="digits_aug", width=8),
+}
 
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
@@ -193,7 +201,7 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
 def _base_rate(text: str, parser: argparse.ArgumentParser) -> tuple[str, float]:
     """``CELL=LR`` of ``--base-rate``."""
     cell, _, lr = text.partition("=")
-    if cell not in {**CELLS, **EXTRA_CELLS}:
+    if cell not in {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS}:
         parser.error(f"--base-rate: unknown cell {cell!r}; --list names them")
     try:
         (rate,) = parse_lrs(lr)
@@ -224,9 +232,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.list:
-        print("\n".join([*CELLS, *EXTRA_CELLS]))
+        print("\n".join([*CELLS, *EXTRA_CELLS, *HELD_OUT_CELLS]))
         return 0
-    cells = {**CELLS, **EXTRA_CELLS}
+    cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS}
     names = args.cells.split(",") if args.cells else list(CELLS)
     unknown = [n for n in names if n not in cells]
     if unknown:

@@ -9,7 +9,9 @@ At ``on_train_start`` the callback wraps the ``LightningModule``, builds a Recor
 over the optimiser(s) and scheduler of ``configure_optimizers`` and attaches it through the
 optimiser's step hooks (automatic optimisation with closures, gradient accumulation and
 clipping need nothing more). Probe batches are ``module(batch)`` inputs from
-``probe_dataset``: a ``DataLoader``, or a dataset batched like the training loader. The
+``probe_dataset``: a ``DataLoader``, or a dataset batched like the training loader; each is
+converted as Lightning converts a training batch (the precision plugin's ``convert_input``,
+e.g. to bfloat16 under ``precision="bf16-true"``) and moved to the module's device. The
 callback's ``state_dict`` goes into Lightning checkpoints and ``ckpt_path=`` resumes it.
 FSLRs (``fslr/<tensor>``) and FLeRM's rates (``flerm_lr/<tensor>``) are logged with
 ``module.log_dict`` at ``on_train_batch_end``; ``FSLRCallback`` writes
@@ -25,15 +27,31 @@ Examples:
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.apply_func import move_data_to_device
 from torch.utils.data import DataLoader
 
 from .session import DrivingCallback, RecordingCallback, Session
 
 __all__ = ["FLeRMCallback", "FSLRCallback"]
+
+
+class _ProbeBatches:
+    """Re-iterable probe batches, each converted and moved as Lightning does a training batch
+    (its precision plugin's ``convert_input``, then to the strategy's root device); the
+    module's own batch-transfer hooks are left out: they expect training batches."""
+
+    def __init__(self, loader: Iterable[Any], trainer: pl.Trainer) -> None:
+        self.loader = loader
+        self.trainer = trainer
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in self.loader:
+            batch = self.trainer.precision_plugin.convert_input(batch)
+            yield move_data_to_device(batch, self.trainer.strategy.root_device)
 
 
 class _Callback(pl.Callback):
@@ -56,7 +74,7 @@ class _Callback(pl.Callback):
                 "optimiser (see docs/integrations.md)"
             )
         optimizer: Any = optimizers[0] if len(optimizers) == 1 else optimizers
-        self.session.start(pl_module, optimizer, scheduler, probes)
+        self.session.start(pl_module, optimizer, scheduler, _ProbeBatches(probes, trainer))
 
     def on_train_batch_end(
         self,

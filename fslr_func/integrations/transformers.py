@@ -10,14 +10,15 @@ The callbacks find the model, the optimiser (unwrapped from ``accelerate``) and 
 the ``Trainer`` built, and attach through the optimiser's step hooks, so gradient
 accumulation, clipping and mixed precision need nothing more. Probe batches are drawn from
 ``probe_dataset`` with the ``Trainer``'s own data collator and per-device batch size, in order
-(``labels`` dropped, ``use_cache=False``). The state (controller and the wrapper's EMAs) is
-saved as ``fslr_state.pt`` in each checkpoint folder and loaded by ``resume_from_checkpoint``
-(from ``output_dir/checkpoint-<step>``). ``FSLRCallback`` writes the record to
-``output_dir/fslr_record.json`` at every checkpoint and at the end. At each ``on_log`` the
-latest FSLRs (``fslr/<tensor>``) and FLeRM rates (``flerm_lr/<tensor>``) are added to the
-logs and to ``state.log_history``. The ``Trainer`` puts the reporting callbacks of
-``report_to`` (TensorBoard, W&B...) before yours, so they report the logs before this callback
-adds to them: :func:`log_to_reporters` moves the FSLR callbacks before them.
+(``labels`` dropped, tensors moved to ``args.device``, ``use_cache=False``). The state
+(controller and the wrapper's EMAs) is saved as ``fslr_state.pt`` in each checkpoint folder
+and loaded by ``resume_from_checkpoint`` (from ``output_dir/checkpoint-<step>``).
+``FSLRCallback`` writes the record to ``output_dir/fslr_record.json`` at every checkpoint and
+at the end. At each ``on_log`` the latest FSLRs (``fslr/<tensor>``) and FLeRM rates
+(``flerm_lr/<tensor>``) are added to the logs and to ``state.log_history``. The ``Trainer``
+puts the reporting callbacks of ``report_to`` (TensorBoard, W&B...) before yours, so they
+report the logs before this callback adds to them: :func:`log_to_reporters` moves the FSLR
+callbacks before them.
 
 Examples:
     >>> from fslr_func.integrations.transformers import FSLRCallback
@@ -85,15 +86,21 @@ def log_to_reporters(trainer: Trainer) -> None:
 
 
 class _ProbeInputs:
-    """Re-iterable probe batches: collated dicts without ``labels``, ``use_cache=False``."""
+    """Re-iterable probe batches: collated dicts without ``labels``, their tensors on the
+    Trainer's device (as it moves a training batch), ``use_cache=False``."""
 
-    def __init__(self, loader: DataLoader[Any], use_cache: bool) -> None:
+    def __init__(self, loader: DataLoader[Any], use_cache: bool, device: torch.device) -> None:
         self.loader = loader
         self.use_cache = use_cache
+        self.device = device
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.loader:
-            inputs = {k: v for k, v in dict(batch).items() if k != "labels"}
+            inputs = {
+                k: v.to(self.device) if isinstance(v, torch.Tensor) else v
+                for k, v in dict(batch).items()
+                if k != "labels"
+            }
             if self.use_cache:
                 inputs["use_cache"] = False
             yield inputs
@@ -138,7 +145,9 @@ class _Callback(TrainerCallback):
         use_cache = "use_cache" in inspect.signature(model.forward).parameters
         if state.global_step > 0:
             self._resume(os.path.join(_out(args), f"checkpoint-{state.global_step}"))
-        self.session.start(model, optimizer, lr_scheduler, _ProbeInputs(loader, use_cache))
+        self.session.start(
+            model, optimizer, lr_scheduler, _ProbeInputs(loader, use_cache, args.device)
+        )
 
     def _resume(self, folder: str) -> None:
         path = os.path.join(folder, STATE_FILE)

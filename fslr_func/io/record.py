@@ -39,6 +39,7 @@ from __future__ import annotations
 import json
 import numbers
 import os
+import stat
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -297,14 +298,24 @@ class FSLRRecord(Lookups):
 
         Raises:
             FileNotFoundError: if there is no such file.
-            ValueError: if the file is damaged or truncated (not valid JSON, missing or
-                invalid fields: the field, the row and the fix named), is not an
-                FSLRRecord, or was written by a newer fslr_func.
+            ValueError: if the path is not a regular file (a directory, a device such as
+                ``/dev/zero`` or a pipe: never read without end or waited on), the file is
+                damaged or truncated (not valid JSON, missing or invalid fields: the field,
+                the row and the fix named), is not an FSLRRecord, or was written by a newer
+                fslr_func.
         """
         path = os.fspath(path)
-        with open(path, "rb") as f:
-            raw = f.read()
         source = repr(path)
+        # opened without blocking (a pipe with no writer), then checked on the open file
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ValueError(
+                f"{source} is not a regular file (a directory, a device or a pipe): pass the "
+                "path of a record's JSON file"
+            )
+        with open(fd, "rb") as f:
+            raw = f.read()
         return cls.from_dict(schema.parse_json(raw, source), source=source)
 
     # ------------------------------------------------------------------ export

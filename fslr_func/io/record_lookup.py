@@ -87,6 +87,31 @@ class Lookups:
             "values are reused"
         )
 
+    def before_start(self, step: int, what: str = "step") -> str | None:
+        """``None`` unless ``step`` comes before the step the base run started probing at
+        (``meta["start_step"]``, which a Recorder stores) and before the record's first row:
+        then what to tell the user. Lookups there read the first row, measured later in
+        training than ``step``; a first row after an unprobed warm-up from rate 0 (start
+        step 0, first row at step 1) is the best guess for step 0 and gets ``None``.
+
+        Examples:
+            >>> from fslr_func.io.record import FSLRRecord
+            >>> rec = FSLRRecord(steps=[500], fslr={"w": [1.0]}, meta={"start_step": 500})
+            >>> print(rec.before_start(0, "set point"))  # doctest: +NORMALIZE_WHITESPACE
+            set point 0 is before the base run's first probed step (its start_step 500): the
+            first row's values (step 500) are used
+            >>> rec.before_start(500) is None
+            True
+        """
+        self._row(0)
+        start = self.meta.get("start_step")
+        if not isinstance(start, int) or step >= min(start, self.steps[0]):
+            return None
+        return (
+            f"{what} {step} is before the base run's first probed step (its start_step "
+            f"{start}): the first row's values (step {self.steps[0]}) are used"
+        )
+
     def at(self, step: int, *, unknown: Fallback = "error") -> dict[str, float]:
         """FSLRs in force at ``step``: those of the latest recorded step ``<= step``.
 

@@ -46,12 +46,16 @@ META_KEYS = (
 
 
 def library_version() -> str:
-    """The installed fslr_func version (the package's own ``__version__`` from a source tree)."""
+    """The running fslr_func's version: the package's own ``__version__`` (the code that
+    runs, also where an editable install's metadata is stale), else the installed
+    distribution's."""
+    version = getattr(sys.modules.get("fslr_func"), "__version__", None)
+    if version is not None:
+        return str(version)
     try:
         return importlib.metadata.version("fslr_func")
     except importlib.metadata.PackageNotFoundError:
-        version = getattr(sys.modules.get("fslr_func"), "__version__", None)
-        return str(version) if version is not None else "unknown"
+        return "unknown"
 
 
 def default_meta() -> dict[str, Any]:

@@ -283,15 +283,19 @@ def _str(v: object) -> bool:
     return isinstance(v, str)
 
 
-def _finite_floats(v: object) -> bool:
-    """No NaN or infinity anywhere in ``v`` (JSON has none: a user's meta entry)."""
+def _json_value(v: object) -> bool:
+    """``v`` is JSON: ``None``, a bool, an int, a finite float (JSON has no NaN or infinity),
+    a str, or lists (tuples) and str-keyed dicts of those: a user's meta entry, checked at
+    construction rather than at the first save."""
+    if v is None or isinstance(v, (bool, int, str)):
+        return True
     if isinstance(v, float):
         return math.isfinite(v)
     if isinstance(v, Mapping):
-        return all(_finite_floats(x) for x in v.values())
+        return all(isinstance(k, str) and _json_value(x) for k, x in v.items())
     if isinstance(v, (list, tuple)):
-        return all(_finite_floats(x) for x in v)
-    return True
+        return all(_json_value(x) for x in v)
+    return False
 
 
 META_SCHEMA: dict[str, tuple[Callable[[object], bool], str]] = {
@@ -328,7 +332,14 @@ def check_meta(meta: object) -> dict[str, Any]:
         raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
     out = dict(meta)
     for key, value in out.items():
-        check, what = META_SCHEMA.get(key, (_finite_floats, "JSON (null, not NaN or Infinity)"))
+        check, what = META_SCHEMA.get(
+            key,
+            (
+                _json_value,
+                "JSON: str, finite numbers (not NaN or Infinity), bool, null, lists, dicts "
+                "with str keys",
+            ),
+        )
         if not check(value):
             raise ValueError(f"meta[{key!r}] is {value!r}: it must be {what}; {_FIX}")
     if "shapes" in out:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from torch.autograd import forward_ad
 from torch.func import jvp
 
+from ..stats.statistics import scale_exponent
 from .connectivity import CutFinder, cut_error, disconnected_output_error, reaches
 from .fallback import first_line, warn_once
 from .functional import (
@@ -139,7 +140,11 @@ def exact(
                 raise cut_error([name])
             return out
 
-        primal, direction = point[name], d.to(point[name].dtype)
+        # J is linear: J dW = 2^-k J (2^k dW), with 2^k dW's largest entry in [1/2, 1), so
+        # that neither the update cast to a half-precision model's dtype nor its tangent
+        # overflows or underflows where the float64 result would not.
+        primal, k = point[name], scale_exponent(d.to(torch.float64))
+        direction = torch.ldexp(d.to(torch.float64), k).to(primal.dtype)
         if use_jvp:
             try:
                 tangent = jvp(flat_output, (primal,), (direction,))[1]
@@ -156,7 +161,14 @@ def exact(
                 )
         else:
             tangent = _autograd_jvp(flat_output, primal, direction, backward_context)
-        result[name] = tangent.to(torch.float64).square().mean().sqrt()
+        result[name] = torch.ldexp(tangent.to(torch.float64).square().mean().sqrt(), -k)
+        if not torch.isfinite(result[name]):
+            raise ValueError(
+                f"J dW of {name!r} is not finite in the model's dtype {primal.dtype} even for "
+                "the update scaled to a largest entry of 1 (the forward-mode product "
+                "overflows): compute exact on a float32 copy of the model "
+                "(copy.deepcopy(model).float())"
+            )
     if not any(depends.values()):
         raise disconnected_output_error()
     return result

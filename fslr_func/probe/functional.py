@@ -172,10 +172,13 @@ def check_delta(
         return
     non_finite = [n for n, d in delta.items() if not all_finite(d)]
     if non_finite:
-        raise ValueError(
-            f"{what} has NaN or Inf entries in {non_finite}: the update is not finite, so its "
-            f"function-space learning rate is undefined (check the loss and learning rates)"
+        fix = (
+            "the weights to linearise at must be finite (check where they came from)"
+            if what == "params"
+            else "the update is not finite, so its function-space learning rate is undefined "
+            "(check the loss and learning rates)"
         )
+        raise ValueError(f"{what} has NaN or Inf entries in {non_finite}: {fix}")
 
 
 def _check_delta_structure(delta: Mapping[str, Tensor], tensors: ModuleTensors, what: str) -> None:

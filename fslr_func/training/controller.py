@@ -240,6 +240,7 @@ class StepController:
         self._feed = ProbeFeed(probe_batches)
         self.t = 0
         self._owed = 0
+        self._hooks: StepHooks | None = None
         self._noted: set[str] = set()
         self._config: dict[str, Any] = {
             "warmup_samples": warmup_samples,
@@ -265,12 +266,20 @@ class StepController:
 
         Raises:
             ValueError: the controller was built without an optimiser.
+            RuntimeError: it is attached already (its hooks not detached): every step would
+                run through it twice.
         """
         if not self.optimizers:
             raise ValueError(
                 f"{self.kind}.attach() needs the optimiser: build it with optimizer=opt"
             )
-        return StepHooks(self.step, self.optimizers)
+        if self._hooks is not None and self._hooks.attached:
+            raise RuntimeError(
+                f"this {self.kind} is attached already: call .detach() on the hooks the first "
+                "attach() returned before attaching again"
+            )
+        self._hooks = StepHooks(self.step, self.optimizers)
+        return self._hooks
 
     @contextlib.contextmanager
     def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Measurement | None]:

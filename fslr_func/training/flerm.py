@@ -160,7 +160,9 @@ class FLeRM(StepController):
             ``"nearest"`` (use its nearest known value in the record) or ``"hold"`` (keep it
             at its group's rate, with a note).
         past_end: set points and base-schedule lookups past the record's last step
-            (:meth:`~fslr_func.io.record.FSLRRecord.past_end`) reuse its last values with one
+            (:meth:`~fslr_func.io.record.FSLRRecord.past_end`) reuse its last values, and
+            those before the base run's first probed step
+            (:meth:`~fslr_func.io.record.FSLRRecord.before_start`) its first ones, with one
             warning (``"warn"``) or raise (``"error"``, for exactness).
         log_fn: called after every step as ``log_fn(step, {"flerm_lr/<tensor>": rate, ...})``,
             with ``fslr/<tensor>`` (the scaled model's FSLRs) added at set points.

@@ -181,28 +181,41 @@ class BaseTargets:
             rows = {b: s for b, s in rows.items() if b not in known}
         if rows and self.unknown != "hold":
             listed = "; ".join(f"{b!r} at steps {s[:5]}" for b, s in list(rows.items())[:10])
+            fallbacks = (
+                "they are unknown at every row, so unknown='nearest' has no value to use: "
+                "FLeRM(..., unknown='hold') keeps them at their group's rate"
+                if self.unknown == "nearest"
+                else "choose a fallback: FLeRM(..., unknown='nearest') uses each tensor's "
+                "nearest known value, unknown='hold' keeps it at its group's rate"
+            )
             raise ValueError(
                 f"the base record's FSLR is unknown for tensors FLeRM drives: {listed} (the base "
                 "run could not measure them: no finite probe, or they never moved, e.g. frozen "
-                "or at rate 0); choose a fallback: FLeRM(..., unknown='nearest') uses each "
-                "tensor's nearest known value, unknown='hold' keeps it at its group's rate; or "
-                "freeze it in the scaled run too, or re-record the base"
+                f"or at rate 0); {fallbacks}; or freeze them in the scaled run too, or "
+                "re-record the base"
             )
 
-    def covers(self, step: int, what: str) -> None:
-        """Past the record's last step: warn once per kind of lookup, or raise
-        (``past_end="error"``).
+    def covers(self, step: int, what: str, *, rows: bool = False) -> None:
+        """Past the record's last step, or (``rows``: a lookup of its FSLR rows, not of its
+        per-step schedule) before the base run's first probed step: warn once per kind of
+        lookup, or raise (``past_end="error"``).
 
         Raises:
-            ValueError: ``step`` is past the end and ``past_end="error"``.
+            ValueError: ``step`` is outside the record and ``past_end="error"``.
         """
-        message = self.base.past_end(step, what)
+        early = self.base.before_start(step, what) if rows else None
+        message = early or self.base.past_end(step, what)
         if message is None:
             return
         if self.past_end == "error":
+            fix = (
+                "start FLeRM (start_step) where the base's probes start"
+                if early
+                else "record a base run as long as this one"
+            )
             raise ValueError(
-                f"FLeRM: {message}; past_end='error' asks for exactness: record a base run as "
-                "long as this one, or pass past_end='warn'"
+                f"FLeRM: {message}; past_end='error' asks for exactness: {fix}, or pass "
+                "past_end='warn'"
             )
         if what not in self._warned_past:
             self._warned_past.add(what)
@@ -228,7 +241,7 @@ class BaseTargets:
             names: the tensors FLeRM drives.
             note: warns once per tensor (record tensors the model lacks).
         """
-        self.covers(step, "set point")
+        self.covers(step, "set point", rows=True)
         lr0 = self.lr0 or float(self.base.meta["base_lr"])
         fslr = self.base.at(step, unknown="nearest" if self.unknown == "nearest" else "omit")
         rates, sched = self.base.lrs_at(step), self.base.sched_at(step)

@@ -21,6 +21,8 @@ import warnings
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+import torch
+
 from ..probe.functional import Inputs
 
 __all__ = ["ProbeFeed", "ProbePlan"]
@@ -84,7 +86,8 @@ class ProbeFeed:
     The iterator is created at the first draw; after :meth:`skip` (a resume) it first discards
     the batches the interrupted run used, so a deterministic iterable re-created from scratch
     (e.g. ``experiments.batches(..., generator=seed)``) yields the same batches as an
-    uninterrupted run.
+    uninterrupted run. One tensor is refused (``TypeError``): iterated, its rows would be
+    probe batches of one example each.
 
     Examples:
         >>> feed = ProbeFeed(iter(range(10)))
@@ -97,6 +100,11 @@ class ProbeFeed:
     """
 
     def __init__(self, batches: Iterable[Inputs]) -> None:
+        if isinstance(batches, torch.Tensor):
+            raise TypeError(
+                "probe_batches is one tensor: iterated, each of its rows would be a probe batch "
+                "of one example; pass a list of batches ([x]), or an iterable of them"
+            )
         self._source = batches
         self._cycles = not isinstance(batches, Iterator)
         self._it: Iterator[Inputs] | None = None

@@ -46,7 +46,7 @@ from ..stats.estimator import (
 )
 from .measurement import Measurement, Reading, read_estimates
 from .update_scaling import Snapshots
-from .wrapper_state import extra_state, load_bare, load_extra_state, save_bare
+from .wrapper_state import extra_state, load_bare, load_bare_keys, load_extra_state, save_bare
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -54,6 +54,15 @@ if TYPE_CHECKING:
     from ..probe.options import ProbeKwargs
 
 __all__ = ["FSLRModule", "Measurement", "Reading"]
+
+
+def _probe_batches(inputs: Inputs | list[Inputs]) -> list[Inputs]:
+    """``inputs`` as a list of probe batches; an empty list is refused (nothing to probe)."""
+    if not isinstance(inputs, list):
+        return [inputs]
+    if not inputs:
+        raise ValueError("inputs is an empty list: pass a probe batch, or a non-empty list of them")
+    return inputs
 
 
 class FSLRModule(nn.Module):
@@ -130,7 +139,9 @@ class FSLRModule(nn.Module):
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
         self.register_state_dict_post_hook(save_bare)  # type: ignore[no-untyped-call]
+        self.loading_prefix: str | None = None  # set by load_bare for load_bare_keys
         self.register_load_state_dict_pre_hook(load_bare)  # type: ignore[no-untyped-call]
+        self.register_load_state_dict_post_hook(load_bare_keys)  # type: ignore[no-untyped-call]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward, unchanged."""
@@ -197,8 +208,11 @@ class FSLRModule(nn.Module):
                 instead (this reads them on the host).
             changed: name -> 0-d bool on the device; a tensor marked ``False`` (the step did
                 not change it) keeps its EMA. Default: every tensor is folded in.
+
+        Raises:
+            ValueError: ``inputs`` is an empty list (nothing would be probed).
         """
-        batches = inputs if isinstance(inputs, list) else [inputs]
+        batches = _probe_batches(inputs)
         generator = self.generator_for(next(self.module.parameters()).device)
         for batch in batches:
             result = run_probe(
@@ -260,9 +274,11 @@ class FSLRModule(nn.Module):
             A :class:`Measurement`, filled in when the block exits.
 
         Raises:
-            ValueError: the optimiser updates none of the module's parameters.
+            ValueError: the optimiser updates none of the module's parameters; ``inputs`` is
+                an empty list.
             RuntimeError: a ``measure`` block inside another one (one step, measured once).
         """
+        batches = _probe_batches(inputs)
         if self._measuring:
             raise RuntimeError(
                 "fm.measure blocks cannot be nested: the outer block already measures this "
@@ -279,9 +295,9 @@ class FSLRModule(nn.Module):
             self._measuring = False
         m.after_step(self.module, scaled, self._updates)
         counts = dict(self.ema.counts)
-        self.fold(inputs, m.delta, params=m.before, step=step, changed=m.changed)
+        self.fold(batches, m.delta, params=m.before, step=step, changed=m.changed)
         m.log_sq, m.ema, m.reported = self.log_sq(), self.ema, self.reported
-        m.inputs = inputs if isinstance(inputs, list) else [inputs]
+        m.inputs = batches
         m.folded = {n: c - counts[n] if n in counts else c for n, c in self.ema.counts.items()}
 
     def log_sq(self) -> dict[str, Tensor]:

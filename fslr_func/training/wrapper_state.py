@@ -27,7 +27,14 @@ from ..probe.names import WRAPPER_PREFIXES
 from ..probe.options import ProbeOptions, Strategy
 from ..stats.estimator import EMA, ReadoutRole
 
-__all__ = ["STATE_VERSION", "extra_state", "load_bare", "load_extra_state", "save_bare"]
+__all__ = [
+    "STATE_VERSION",
+    "extra_state",
+    "load_bare",
+    "load_bare_keys",
+    "load_extra_state",
+    "save_bare",
+]
 
 STATE_VERSION = 3
 """Version of the wrapper's saved state (3: tensor names are the bare model's)."""
@@ -43,6 +50,7 @@ class FSLRModule(Protocol):
     generators: dict[str, torch.Generator]
     probes: int
     reported: dict[str, int]
+    loading_prefix: str | None
     resolved_strategy: Strategy
     options: ProbeOptions
 
@@ -98,6 +106,19 @@ def load_bare(
     inner = prefix + fm.wrapper_prefix
     for key in [k for k in state if k.startswith(prefix) and k != prefix + _EXTRA]:
         state[inner + key[len(prefix) :]] = state.pop(key)
+    fm.loading_prefix = prefix
+
+
+def load_bare_keys(fm: FSLRModule, incompatible: Any) -> None:
+    """Load-state-dict post-hook: the missing and unexpected keys of a load that
+    :func:`load_bare` renamed, named back as the user passed them (bare), in place, so
+    ``strict=False``'s result and ``strict=True``'s error name the model's keys."""
+    prefix, fm.loading_prefix = fm.loading_prefix, None
+    if prefix is None:
+        return
+    inner = prefix + fm.wrapper_prefix
+    for keys in (incompatible.missing_keys, incompatible.unexpected_keys):
+        keys[:] = [prefix + k[len(inner) :] if k.startswith(inner) else k for k in keys]
 
 
 def extra_state(fm: FSLRModule) -> dict[str, Any]:

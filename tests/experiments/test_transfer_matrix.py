@@ -90,7 +90,8 @@ def test_matrix_script_lists_cells_and_prints_rows(capsys):
     assert mod.main(["--list"]) == 0
     names = capsys.readouterr().out.split()
     assert "resmlp-w32-s150" in names and "conv2d-bn-w8-s150" in names
-    families = {{**mod.CELLS, **mod.EXTRA_CELLS}[n].model for n in names}
+    families = {{**mod.CELLS, **mod.EXTRA_CELLS, **mod.HELD_OUT_CELLS}[n].model for n in names}
+    assert set(mod.HELD_OUT_CELLS) <= set(names)  # held-out cells run by name too
     assert families == {"resmlp", "resconv", "resconv_bn", "transformer"}
     main = {
         "tuned": 2.0**-6,

@@ -1,5 +1,6 @@
 """The Lightning callbacks with the real ``lightning.Trainer`` (CPU, a few steps, bf16 mixed
-precision and fp32): a base
+precision, bf16 weights and inputs (``bf16-true``: the probe batches converted as training
+batches are) and fp32): a base
 record, FLeRM with a warm-up from 0, accumulation and clipping, logging, checkpoint, and a resume
 whose weights equal the uninterrupted run's."""
 
@@ -17,7 +18,7 @@ from fslr_func.io.record import FSLRRecord
 pytest.importorskip("lightning")
 
 
-@pytest.mark.parametrize("precision", ["bf16-mixed", "32-true"])
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "32-true"])
 def test_lightning_record_flerm_checkpoint_resume(tmp_path: Path, precision: str) -> None:
     module = load_script("examples/lightning.py")
     full, resumed = module.main(str(tmp_path), steps=4, precision=precision)

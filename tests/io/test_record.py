@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import fslr_func as ff
 from fslr_func.io.atomic import write_json
 from fslr_func.io.record import FORMAT, META_KEYS, VERSION, FSLRRecord, optimizer_meta
 
@@ -59,7 +60,8 @@ def test_defaults_fill_meta_and_sched() -> None:
     rec = FSLRRecord(steps=[0, 1], fslr={"w": [1.0, 2.0]})
     assert rec.sched == [1.0, 1.0]
     assert set(META_KEYS) <= set(rec.meta)
-    assert isinstance(rec.meta["library_version"], str)
+    # the running code's version, not an editable install's (possibly stale) metadata
+    assert rec.meta["library_version"] == ff.__version__
     assert rec.names == ["w"] and len(rec) == 2 and rec.lrs == {}
 
 
@@ -198,8 +200,12 @@ def test_save_rejects_non_json_meta_without_touching_file(tmp_path: Path) -> Non
     before = path.read_bytes()
     rec = simple([1.0])
     rec.meta["bad"] = object()
-    with pytest.raises(ValueError, match="JSON-able"):
+    with pytest.raises(ValueError, match=r"cannot save the record: meta\['bad'\].*must be JSON"):
         rec.save(path)
+    # checked at construction too (it was accepted there and refused at the first save)
+    for bad in (torch.tensor(1.0), {1, 2}, {3: "int key"}, [math.inf]):
+        with pytest.raises(ValueError, match=r"meta\['bad'\] is .*must be JSON"):
+            FSLRRecord(steps=[0], fslr={"a": [1.0]}, meta={"bad": bad})
     rec.meta["bad"] = math.nan
     with pytest.raises(ValueError, match=r"cannot save the record: meta\['bad'\] is nan"):
         rec.save(path)
@@ -269,6 +275,18 @@ def test_load_missing_or_invalid_fields(tmp_path: Path) -> None:
 def test_load_missing_file(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         FSLRRecord.load(tmp_path / "nope.json")
+
+
+def test_load_refuses_what_is_not_a_regular_file_without_reading_or_waiting(
+    tmp_path: Path,
+) -> None:
+    # a device would be read without end (/dev/zero) and a pipe with no writer waited on
+    # for ever: both refused on the open file, before any read
+    fifo = tmp_path / "record.json"
+    os.mkfifo(fifo)
+    for path in (tmp_path, fifo, Path("/dev/zero")):
+        with pytest.raises(ValueError, match="not a regular file"):
+            FSLRRecord.load(path)
 
 
 # ---------------------------------------------------------------------------------- mean

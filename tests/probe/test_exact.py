@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from conftest import MLP, random_delta
 from hypothesis import given
@@ -54,3 +55,25 @@ def test_exact_at_other_params_and_with_dict_output():
         output_fn=lambda o: o[:, :2],
     )
     assert set(out) == {"0." + n for n in delta}
+
+
+@given(exponent=st.integers(-40, 40), seed=st.integers(0, 999))
+def test_exact_of_a_half_precision_model_is_finite_where_the_float64_value_is(exponent, seed):
+    # J dW of a float16 layer computed in float16 overflowed to inf (and an update cast to
+    # float16 did, past 65504): exact runs the jvp on the update scaled by a power of two
+    g = torch.Generator().manual_seed(seed)
+    model = nn.Linear(4, 3).half()
+    x = torch.randn(5, 4, generator=g).half()
+    dw = torch.randn(3, 4, generator=g) * 2.0**exponent
+    got = ff.exact(model, x, {"weight": dw})["weight"]
+    want = (x.double() @ dw.double().T).square().mean().sqrt()
+    torch.testing.assert_close(got, want, rtol=4e-3, atol=0)
+
+
+def test_exact_raises_where_a_half_precision_product_overflows_at_any_scale():
+    model = nn.Linear(3, 1, bias=False).half()
+    with torch.no_grad():
+        model.weight.fill_(1e-3)  # a finite output, 180
+    x = torch.full((1, 3), 60000.0).half()  # J dW = x dW: 9e4 for dW scaled to 1/2
+    with pytest.raises(ValueError, match="float32 copy"):
+        ff.exact(model, x, {"weight": torch.ones(1, 3)})

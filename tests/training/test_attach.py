@@ -86,6 +86,21 @@ def test_attached_flerm_equals_the_with_form_and_detaches_exactly() -> None:
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+def test_attaching_twice_is_refused_until_the_first_hooks_are_detached() -> None:
+    # twice attached, every step would run through the controller twice (it raised "fm.measure
+    # blocks cannot be nested" at the first step, naming a call the user never made)
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=2)
+    first = rec.attach()
+    with pytest.raises(RuntimeError, match="attached already"):
+        rec.attach()
+    first.detach()
+    with rec.attach():
+        train(fm, [opt], 3)
+    assert rec.record.steps == [0, 2]
+
+
 class Boom(torch.optim.SGD):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         raise RuntimeError("boom")

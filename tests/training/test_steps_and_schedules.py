@@ -66,6 +66,26 @@ def test_tensor_that_moves_but_not_the_function_reads_zero() -> None:
     assert float(m.fslr["1.weight"]) > 0
 
 
+def test_an_empty_list_of_probe_batches_is_refused_before_the_step() -> None:
+    # it measured nothing and said nothing: fm.fslr() read {} after the step
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    backward(fm, 0)
+    before = [p.detach().clone() for p in fm.parameters()]
+    with pytest.raises(ValueError, match="empty list"), fm.measure(opt, []):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(before, fm.parameters(), strict=True))
+    with pytest.raises(ValueError, match="empty list"):
+        fm.fold([], {n: torch.ones_like(p) for n, p in fm.module.named_parameters()})
+
+
+def test_one_tensor_as_probe_batches_is_refused_not_split_into_rows() -> None:
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match=r"one tensor.*\[x\]"):
+        Recorder(fm, next(stream()), optimizer=opt)
+
+
 def test_warmup_from_zero_measures_at_the_first_nonzero_rate() -> None:
     fm = model()
     opt = torch.optim.AdamW(fm.parameters(), lr=1e-2)

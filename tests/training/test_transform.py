@@ -120,6 +120,21 @@ def test_state_dict_round_trip_restores_emas_and_the_omega_stream():
         torch.testing.assert_close(a[n], b[n], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("outer", ["", "inner."])
+def test_load_state_dict_names_missing_and_unexpected_keys_as_the_bare_model_does(outer):
+    # they came back with the wrapper's "module." prefix, a key the user never passed
+    model = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2))
+    fm = ff.with_fslr(model, seed=0)
+    target = nn.ModuleDict({"inner": fm}) if outer else fm
+    state = {outer + k: v for k, v in model.state_dict().items() if k != "2.bias"}
+    state[outer + "junk"] = torch.zeros(1)
+    keys = target.load_state_dict(state, strict=False)
+    assert keys.missing_keys == [outer + "2.bias"]
+    assert keys.unexpected_keys == [outer + "junk"]
+    with pytest.raises(RuntimeError, match=rf'Missing key\(s\) in state_dict: "{outer}2\.bias"'):
+        target.load_state_dict(state)
+
+
 def test_readout_detection_in_the_wrapper_and_switching_it_off():
     torch.manual_seed(0)
     delta = {n: torch.ones_like(p) for n, p in ResMLP().named_parameters()}

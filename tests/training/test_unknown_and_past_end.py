@@ -168,3 +168,30 @@ def test_a_start_step_past_the_record_is_named_at_construction() -> None:
     base = _frozen_first_base(steps=4)
     with pytest.raises(ValueError, match="FLeRM: set point 10 is past the end"):
         _scaled(base, unknown="hold", start_step=10, past_end="error")
+
+
+def test_set_points_before_the_base_runs_first_probed_step_warn_or_raise() -> None:
+    # a base that started probing at step 3 (start_step=3) drove a scaled run's step-0 set
+    # point from step 3's FSLRs without a word
+    fm = model(0)
+    opt = torch.optim.SGD(fm.parameters(), lr=LR)
+    recorder = Recorder(fm, stream(1), optimizer=opt, warmup_samples=8, every=2, start_step=3)
+    _train(fm, opt, recorder, 6)
+    base = recorder.record
+    assert base.steps == [3, 5]
+    with pytest.warns(RuntimeWarning, match=r"set point 0 is before the base run's first probed"):
+        flerm, (fm, opt) = _scaled(base)
+    _train(fm, opt, flerm, 1)  # type: ignore[arg-type]
+    assert flerm.history[0].targets == base.at(3)
+    with pytest.raises(ValueError, match=r"set point 0 is before.*start FLeRM \(start_step\)"):
+        _scaled(base, past_end="error")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # from the base's own start: nothing to say
+        _scaled(base, start_step=3)
+
+
+def test_nearest_with_a_tensor_unknown_at_every_row_points_to_hold_not_to_itself() -> None:
+    base = _frozen_first_base()  # the first layer unknown at every row
+    with pytest.raises(ValueError, match=r"unknown at every row.*unknown='hold'") as err:
+        _scaled(base, unknown="nearest")
+    assert "unknown='nearest' uses" not in str(err.value)
