@@ -190,11 +190,16 @@ def coord_check(
         (JSON-able; names present at every scale, in the base model's order).
 
     Raises:
-        ValueError: for fewer than 2 steps or an unknown mode, or mode ``"features"`` for a
-            model whose readout the probe does not find.
+        ValueError: for fewer than 2 steps, ``every`` outside ``[1, steps - 1]``, an unknown
+            mode, or mode ``"features"`` for a model whose readout the probe does not find.
     """
     if steps < 2:
         raise ValueError(f"steps must be at least 2 (step 0 is FLeRM's set point), got {steps}")
+    if not isinstance(every, int) or not 1 <= every <= steps - 1:
+        raise ValueError(
+            f"every must be in [1, steps - 1 = {steps - 1}] (a probe at a step after the set "
+            f"point is what is measured), got {every!r}"
+        )
     bad = [m for m in modes if m not in CHECK_MODES]
     if bad or not modes:
         raise ValueError(f"modes must be some of {CHECK_MODES}, got {list(modes)}")

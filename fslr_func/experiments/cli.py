@@ -223,15 +223,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser, demo: bool) 
     policy = "" if config.flerm_policy is None else f"-{config.flerm_policy}"
     init = "" if config.flerm_init == "standard" else f"-{config.flerm_init}init"
     name = "demo" if demo else f"{config.model}{norm}_{config.axis}{policy}{init}"
-    out: Path = args.out or Path("fslr_runs") / name
-    if out.exists() and not out.is_dir():
-        parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        parser.error(f"argument --out: cannot create {str(out)!r}: {err.strerror or err}")
-    if not os.access(out, os.W_OK | os.X_OK):
-        parser.error(f"argument --out: {str(out)!r} is not writable")
+    out = _out_folder(args.out or Path("fslr_runs") / name, parser)
     jobs = args.jobs or default_jobs()
     start = time.perf_counter()
     try:
@@ -347,11 +339,11 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         _check_size(config, parser)
         task, scales = builtin_task(config), config.scales
         what = f"{config.model} on {config.data}, {config.axis}"
-    if args.every > args.steps:
-        parser.error(f"argument --every: must be in [1, --steps={args.steps}], got {args.every}")
-    out: Path = args.out or Path("fslr_runs") / "check"
-    if out.exists() and not out.is_dir():
-        parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
+    if args.every > args.steps - 1:  # a probe after the set point is what is measured
+        parser.error(
+            f"argument --every: must be in [1, --steps - 1 = {args.steps - 1}], got {args.every}"
+        )
+    out = _out_folder(args.out or Path("fslr_runs") / "check", parser)
     _note(
         f"fslr check: {what} x {','.join(f'{s:g}' for s in scales)}, lr {args.lr:g}, "
         f"{args.steps} steps -> {out}"
@@ -382,6 +374,19 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print(format_check(result))
     print("wrote " + ", ".join(str(p) for p in written))
     return 0
+
+
+def _out_folder(out: Path, parser: argparse.ArgumentParser) -> Path:
+    """``--out``, created and checked writable before anything is trained."""
+    if out.exists() and not out.is_dir():
+        parser.error(f"argument --out: {str(out)!r} exists and is not a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        parser.error(f"argument --out: cannot create {str(out)!r}: {err.strerror or err}")
+    if not os.access(out, os.W_OK | os.X_OK):
+        parser.error(f"argument --out: {str(out)!r} is not writable")
+    return out
 
 
 def _user_task(spec: str, parser: argparse.ArgumentParser) -> Task:
@@ -415,6 +420,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (``FSLR_TRACEBACK=1`` in the environment shows the traceback).
     """
     parser, subs = build_parser()
+    args: argparse.Namespace | None = None
     try:
         args = parser.parse_args(argv)
         if args.command == "plot":
@@ -429,11 +435,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if os.environ.get("FSLR_TRACEBACK"):
             raise
         reason = str(err).strip().splitlines()[0] if str(err).strip() else ""
-        print(
-            f"fslr: error: {type(err).__name__}: {reason} (unexpected: run again with "
-            "FSLR_TRACEBACK=1 to see where, and report it)",
-            file=sys.stderr,
+        where = (
+            "run again with FSLR_TRACEBACK=1 to see where: in your --task's code, fix it "
+            "there; in fslr_func, report it"
+            if getattr(args, "task", None)
+            else "unexpected: run again with FSLR_TRACEBACK=1 to see where, and report it"
         )
+        print(f"fslr: error: {type(err).__name__}: {reason} ({where})", file=sys.stderr)
         return 1
 
 

@@ -525,13 +525,15 @@ class SweepConfig:
         return cls(**kwargs)
 
     def fingerprint(self, extra: Mapping[str, Any] | None = None) -> str:
-        """Hash of the fields that change what one run computes (not the grid: scales, lrs,
-        seeds, modes), plus ``extra``; cached runs with another fingerprint are re-run.
+        """Hash of the fields that change what one run computes (not the grid: lrs, seeds,
+        modes, and of the scales only the base scale, which FLeRM's base records and muP's
+        base shapes come from), plus ``extra``; cached runs with another fingerprint are
+        re-run.
 
-        ``norm``, ``flerm_policy``, ``flerm_init``, ``data_seed`` and ``flerm_variant`` enter
-        only when they are not their defaults (``"prenorm"``, ``None``, ``"standard"``,
-        ``None``, ``None``), so sweeps
-        cached before those fields existed keep their fingerprints.
+        ``base_scale``, ``norm``, ``flerm_policy``, ``flerm_init``, ``data_seed`` and
+        ``flerm_variant`` enter only when they are not their defaults (``1``, ``"prenorm"``,
+        ``None``, ``"standard"``, ``None``, ``None``), so sweeps cached before those fields
+        entered keep their fingerprints.
 
         Examples:
             >>> a, b = SweepConfig(lrs=(0.1,)), SweepConfig(lrs=(0.1, 0.2), seeds=5)
@@ -543,8 +545,14 @@ class SweepConfig:
             False
             >>> a.fingerprint() == a.replace(flerm_policy="equal").fingerprint()
             False
+            >>> a.replace(scales=(1, 2)).fingerprint() == a.replace(scales=(1, 4)).fingerprint()
+            True
+            >>> a.replace(scales=(1, 4)).fingerprint() == a.replace(scales=(2, 4)).fingerprint()
+            False
         """
         d = {k: v for k, v in self.to_dict().items() if k not in _NOT_RUN_FIELDS}
+        if self.base_scale != 1:  # FLeRM's base records and muP's base shapes come from it
+            d["base_scale"] = self.base_scale
         if d["norm"] == "prenorm":
             del d["norm"]
         if d["flerm_policy"] is None:

@@ -67,6 +67,13 @@ def _standardise(x_train: Tensor, x_test: Tensor) -> tuple[Tensor, Tensor]:
     return ((x_train - mean) / std).float(), ((x_test - mean) / std).float()
 
 
+def _fraction(name: str, value: float) -> float:
+    """``value`` if it is a fraction strictly between 0 and 1 (both splits non-empty)."""
+    if not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(f"{name} must be a number in (0, 1): both splits non-empty, got {value!r}")
+    return float(value)
+
+
 def digits(test_fraction: float = 0.2) -> Split:
     """scikit-learn's bundled digits (no download), standardised, with a fixed train/test split.
 
@@ -90,7 +97,7 @@ def digits(test_fraction: float = 0.2) -> Split:
     x = torch.as_tensor(x_np, dtype=torch.float64)
     y = torch.as_tensor(y_np, dtype=torch.int64)
     perm = torch.randperm(len(y), generator=torch.Generator().manual_seed(0))
-    n_test = round(len(y) * test_fraction)
+    n_test = round(len(y) * _fraction("test_fraction", test_fraction))
     test, train = perm[:n_test], perm[n_test:]
     x_train, x_test = _standardise(x[train], x[test])
     return Split(x_train, y[train], x_test, y[test])
@@ -147,7 +154,7 @@ def digits_aug(num_samples: int = 25000, seed: int = 0, train_fraction: float = 
     n_test = round(len(y) * 0.2)  # the same split as digits()
     test, train = perm[:n_test], perm[n_test:]
     gen = torch.Generator().manual_seed(seed)
-    n_train = int(num_samples * train_fraction)
+    n_train = int(num_samples * _fraction("train_fraction", train_fraction))
     x_train, y_train = _augment(x[train], y[train], n_train, gen)
     x_test, y_test = _augment(x[test], y[test], num_samples - n_train, gen)
     x_train, x_test = _standardise(x_train, x_test)
@@ -195,7 +202,7 @@ def mnist1d(num_samples: int = 5000, seed: int = 42, train_split: float = 0.8) -
         >>> d.x_train.shape, d.y_test.shape, d.x_train.dtype
         (torch.Size([80, 40]), torch.Size([20]), torch.float32)
     """
-    x, y, x_test, y_test = _mnist1d_arrays(num_samples, seed, train_split)
+    x, y, x_test, y_test = _mnist1d_arrays(num_samples, seed, _fraction("train_split", train_split))
     return Split(
         torch.tensor(x, dtype=torch.float32),
         torch.tensor(y, dtype=torch.int64),
@@ -302,7 +309,7 @@ def split_bytes(data: Tensor, test_fraction: float = 0.1) -> tuple[Tensor, Tenso
         >>> len(train), len(test)
         (90, 10)
     """
-    cut = len(data) - round(len(data) * test_fraction)
+    cut = len(data) - round(len(data) * _fraction("test_fraction", test_fraction))
     return data[:cut], data[cut:]
 
 

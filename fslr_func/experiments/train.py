@@ -239,6 +239,8 @@ def last_mean(losses: Sequence[float], k: int) -> float:
     """
     if not losses:
         raise ValueError("no losses")
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"k must be an int >= 1 (the window's length), got {k!r}")
     tail = list(losses[-k:])
     if not all(math.isfinite(v) for v in tail):
         return math.inf

@@ -171,10 +171,38 @@ def check_state(
     for key, value in config.items():
         if key in saved and saved[key] != value:
             raise ValueError(
-                f"this {what} state was saved with {key}={saved[key]!r}, but this {what} has "
-                f"{key}={value!r}: build it with the same options, or "
+                f"this {what} state was saved with {_difference(key, saved[key], value, what)}: "
+                "build it with the same options, model and optimiser, or "
                 "load_state_dict(state, strict=False) to override"
             )
+
+
+def trainable_shapes(fm: FSLRModule) -> dict[str, list[int]]:
+    """The trainable tensors' shapes by the bare model's names (those of records and states).
+
+    Examples:
+        >>> import fslr_func as ff
+        >>> trainable_shapes(ff.with_fslr(torch.nn.Linear(3, 2)))
+        {'weight': [2, 3], 'bias': [2]}
+    """
+    prefix = fm.name_prefix
+    return {
+        n.removeprefix(prefix): list(p.shape)
+        for n, p in fm.module.named_parameters()
+        if p.requires_grad
+    }
+
+
+def _difference(key: str, saved: Any, value: Any, what: str) -> str:
+    """``key=saved``, then what this object has, in a few words (for the shapes: the first
+    tensors that differ, not two whole models)."""
+    if key != "shapes" or not isinstance(saved, Mapping):
+        return f"{key}={saved!r}, but this {what} has {key}={value!r}"
+    names = list(dict.fromkeys([*saved, *value]))
+    differ = [n for n in names if saved.get(n) != value.get(n)]
+    listed = "; ".join(f"{n!r}: {saved.get(n)} there, {value.get(n)} here" for n in differ[:5])
+    more = f" (and {len(differ) - 5} more)" if len(differ) > 5 else ""
+    return f"another model's tensors: {listed}{more}"
 
 
 class StepController:
@@ -248,6 +276,9 @@ class StepController:
             "start_step": start_step,
             **(config or {}),
             "scheduler": None if scheduler is None else type(self.scheduler).__name__,
+            # a state is the model's and optimiser's: another width or optimiser is refused
+            "shapes": trainable_shapes(fm),
+            "optimizers": [type(o).__name__ for o in self.optimizers],
         }
 
     @property

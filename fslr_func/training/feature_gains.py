@@ -76,6 +76,12 @@ def hidden_fan_in(
     return out
 
 
+def _trainable(model: nn.Module) -> dict[str, Tensor]:
+    """The trainable parameters by name (frozen ones, a fine-tune's or LoRA's base weights,
+    are constants of the function whose movement is measured)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
 def readout_of(roles: Mapping[str, ReadoutRole]) -> str | None:
     """The readout module's name from the probe's readout roles (its weight's name less the
     last part), or ``None`` where the probe found no readout (a tied head).
@@ -151,7 +157,7 @@ def feature_gains(
         >>> sorted(feature_gains(net, torch.randn(8, 3), delta, readout="1"))
         ['0.bias', '0.weight']
     """
-    point = dict(model.named_parameters()) if params is None else dict(params)
+    point = _trainable(model) if params is None else dict(params)
     out = exact(model, inputs, delta, params=point, output_fn=output_fn)
     features = exact(
         _ReadoutInput(model, readout),
@@ -183,12 +189,13 @@ def step_gains(
         NoReadoutError: the probe found no readout (a head tied to the embedding): there
             are no features to measure.
     """
-    readout = readout_of(fm.readout_roles)
+    named = fm.options.readout not in (None, "auto")
+    readout = fm.options.readout if named else readout_of(fm.readout_roles)
     if readout is None:
         raise NoReadoutError(
             "matching feature movement needs the readout layer, and the probe found none (a "
-            "readout tied to another tensor, or an output that is not one module's): pass "
-            "with_fslr(..., readout='<module name>')"
+            "readout tied to another tensor, a frozen one, or an output that is not one "
+            "module's): pass with_fslr(..., readout='<module name>')"
         )
     prefix = fm.name_prefix
     delta = (
@@ -203,7 +210,7 @@ def step_gains(
         m.inputs[0],
         delta,
         readout=readout,
-        params={**dict(fm.module.named_parameters()), **m.before},
+        params={**_trainable(fm.module), **m.before},
         output_fn=fm.options.output_fn,
     )
     return {n.removeprefix(prefix): g for n, g in gains.items()}

@@ -115,6 +115,24 @@ class SetPoint:
     held: tuple[str, ...]
 
 
+def _warn_if_per_process(fm: FSLRModule) -> None:
+    """Warn where FLeRM's probe is per process while ``torch.distributed`` runs several: each
+    rank would set its own rates from its own probe batches, and data-parallel replicas would
+    drift apart (nothing here can see a ``DDP`` wrapped around ``fm``)."""
+    if fm.reduction is not None or not torch.distributed.is_available():
+        return
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        warnings.warn(
+            f"FLeRM drives a wrapper whose probe is per process, in one of "
+            f"{torch.distributed.get_world_size()} processes: each rank sets its own rates "
+            "from its own probe batches, so data-parallel (DDP) replicas drift apart; wrap with "
+            "ff.with_fslr(model, distributed=True) (docs/distributed.md). Independent runs per "
+            "process can ignore this.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 class FLeRM(StepController):
     r"""Sets per-tensor learning rates of a scaled model so its FSLRs match a base record.
 
@@ -287,6 +305,7 @@ class FLeRM(StepController):
         self.feature_power = float(feature_power)
         self.feature_factors: dict[str, float] | None = None
         self.base_gains = _base_gains(fm, base, match)
+        _warn_if_per_process(fm)
 
     # ------------------------------------------------------------------ rates
 

@@ -168,7 +168,7 @@ def apply(
     names = list(scaled)
     check_unique(names)
     who = f"policy {getattr(p, '__qualname__', None) or repr(p)}"
-    result = p(base, names)
+    result = p(base, list(names))  # a copy: a policy that edits it cannot escape the checks
     if not isinstance(result, Mapping):
         raise ValueError(
             f"{who} returned {type(result).__name__}, expected a dict of scaled tensor name -> "

@@ -46,7 +46,7 @@ from ..io.record import FSLRRecord, grouping_meta, optimizer_meta
 from ..io.record_meta import is_learning_rate
 from ..probe.functional import Inputs
 from ..probe.names import unwrapped
-from .controller import LogFn, StepController
+from .controller import LogFn, StepController, trainable_shapes
 from .feature_gains import step_gains
 from .rates import group_lr, rates_in_force, when_final
 from .wrapper import FSLRModule, Measurement
@@ -182,11 +182,7 @@ class Recorder(StepController):
         )
         self.feature_gains = bool(feature_gains)
         self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.names)
-        shapes = {
-            n.removeprefix(self._prefix): list(p.shape)
-            for n, p in fm.module.named_parameters()
-            if p.requires_grad
-        }
+        shapes = trainable_shapes(fm)
         self.record = FSLRRecord(
             meta={
                 "estimator": fm.estimator,

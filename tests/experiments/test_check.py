@@ -192,3 +192,15 @@ def test_cli_check_task_refuses_what_is_not_a_task(
         main(["check", "--task", task, *extra, "--out", str(tmp_path / "out")])
     assert err.value.code == 2
     assert says in capsys.readouterr().err
+
+
+def test_cli_check_an_error_in_your_tasks_code_points_to_it_not_to_a_bug_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = _USER_TASKS + "\n\ndef broken():\n    raise RuntimeError('my bug')\n"
+    (tmp_path / "my_broken_tasks.py").write_text(source)  # a module name no other test imports
+    monkeypatch.syspath_prepend(str(tmp_path))
+    args = ["check", "--task", "my_broken_tasks:broken", "--scales", "1,4", "--steps", "3"]
+    assert main([*args, "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "RuntimeError: my bug" in err and "in your --task's code, fix it there" in err

@@ -312,7 +312,8 @@ HOSTILE = [
     (["check", "--lr", "2^-1000"], "--lr", "[2^-40, 2^10]"),
     (["check", "--seed", "-1"], "--seed", "[0, 4294967295]"),
     (["check", "--threshold", "1"], "--threshold", "[1, 2^20]"),
-    (["check", "--every", "50", "--steps", "10"], "--every", "[1, --steps=10]"),
+    (["check", "--every", "50", "--steps", "10"], "--every", "[1, --steps - 1 = 9]"),
+    (["check", "--every", "10", "--steps", "10"], "--every", "[1, --steps - 1 = 9]"),
     (["check", "--steps", "1"], "--steps", "[2, 1000000]"),
     (["check", "--scales", "1,1e6"], "--scales", "[2^-6, 2^10]"),
     (["plot", "/dev/null"], "path", "record JSON file"),  # a device: never read forever
@@ -334,6 +335,19 @@ def test_hostile_arguments_end_in_one_line_naming_argument_and_range(
     line = _one_line_error(capsys, f"fslr {args[0]}: error: argument {flag}: ")
     assert accepted in line, line
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("command", ["check", "sweep"])
+def test_an_out_folder_under_a_file_is_refused_before_training(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # check trained every model first, then failed writing check.json ("unexpected: report it")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(SystemExit) as info:
+        main([command, "--out", str(tmp_path / "file" / "sub")])
+    assert info.value.code == 2
+    line = _one_line_error(capsys, f"fslr {command}: error: argument --out: ")
+    assert "Not a directory" in line, line
 
 
 def test_a_record_that_breaks_the_schema_is_one_line_naming_field_and_row(

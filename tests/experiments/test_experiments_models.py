@@ -265,3 +265,18 @@ def test_train_hooks_and_last_mean() -> None:
     sgd = torch.optim.SGD(model.parameters(), lr=1e6)
     losses = train(model, batches(d.x_train, d.y_train, 64, 0), sgd, 50)
     assert len(losses) < 50 and last_mean(losses, 10) == math.inf
+
+
+def test_data_fractions_and_loss_windows_out_of_range_are_refused():
+    # a negative test fraction split silently, train_split 1.5 gave an empty test set, and
+    # last_mean(losses, 0) averaged the whole list (losses[-0:])
+    from fslr_func.experiments.data import digits, split_bytes
+    from fslr_func.experiments.train import last_mean
+
+    with pytest.raises(ValueError, match=r"test_fraction must be a number in \(0, 1\)"):
+        digits(test_fraction=-0.5)
+    with pytest.raises(ValueError, match="test_fraction"):
+        split_bytes(torch.arange(10), 1.5)
+    for k in (0, -1):
+        with pytest.raises(ValueError, match="k must be an int >= 1"):
+            last_mean([1.0, 2.0, 3.0], k)

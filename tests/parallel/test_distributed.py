@@ -8,6 +8,7 @@ concatenated batch with the same omega seed, and be bitwise identical across ran
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
@@ -264,7 +265,15 @@ def _check_flerm(rank: int) -> None:
     fm = ff.with_fslr(DistributedDataParallel(wide), samples=4, seed=5)
     opt = torch.optim.SGD(fm.parameters(), lr=0.05)
     probes = _probe_stream(SHARDS[rank], seed=100 + rank)  # different data on every rank
-    flerm = FLeRM(fm, opt, recorder.record, probe_batches=probes, warmup_samples=8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a distributed probe: nothing to say
+        flerm = FLeRM(fm, opt, recorder.record, probe_batches=probes, warmup_samples=8)
+    # a per-process wrapper (DDP(with_fslr(model)) without distributed=True) would set each
+    # rank's rates from its own probes, and the replicas would drift apart: it is warned
+    local = ff.with_fslr(_mlp(), samples=4, seed=0)
+    local_opt = torch.optim.SGD(local.parameters(), lr=0.05)
+    with pytest.warns(RuntimeWarning, match="probe is per process.*distributed=True"):
+        FLeRM(local, local_opt, recorder.record, probe_batches=probes, warmup_samples=8)
     xs, ys = x_train.chunk(WORLD)[rank], y_train.chunk(WORLD)[rank]
     for _ in range(2):
         opt.zero_grad()

@@ -138,3 +138,25 @@ def test_a_seed_mean_keeps_the_geometric_mean_of_the_gains():
     a = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"seed": 0, "feature_gain": {"w": 2.0}})
     b = FSLRRecord(steps=[0], fslr={"w": [3.0]}, meta={"seed": 1, "feature_gain": {"w": 8.0}})
     assert FSLRRecord.mean([a, b]).meta["feature_gain"] == {"w": 4.0}
+
+
+@pytest.mark.parametrize("frozen", ["0", "4"])
+def test_gains_of_a_model_with_frozen_tensors_leave_them_out(frozen):
+    # a frozen input layer (a fine-tune, LoRA's base weights) made the gains' exact refuse
+    # "params names tensors that are not trainable"; a frozen readout was not found at all,
+    # even when named (the probe's readout roles only know trainable tensors)
+    net = _net(8)
+    net.get_submodule(frozen).requires_grad_(False)
+    fm = ff.with_fslr(net, samples=2, seed=0, readout="4")
+    opt = torch.optim.Adam([p for p in fm.parameters() if p.requires_grad], lr=1e-2)
+    probes = (torch.randn(16, D_IN, generator=torch.Generator().manual_seed(k)) for k in range(9))
+    rec = ff.Recorder(fm, probes, optimizer=opt, warmup_samples=2, feature_gains=True)
+    nn.functional.cross_entropy(fm(torch.randn(16, D_IN)), torch.zeros(16).long()).backward()
+    with rec.step():
+        opt.step()
+    gains = rec.record.meta["feature_gain"]
+    trainable_before_readout = {
+        n for n, p in net.named_parameters() if p.requires_grad and not n.startswith("4.")
+    }
+    assert set(gains) == trainable_before_readout
+    assert all(math.isfinite(g) and g > 0 for g in gains.values())

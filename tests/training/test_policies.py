@@ -95,6 +95,16 @@ def test_identity_error_message_is_actionable() -> None:
         identity({"w": 1.0}, ["w", "w"])
 
 
+def test_a_policy_that_edits_the_names_it_is_given_is_still_checked_against_all() -> None:
+    def drops_one(base: Mapping[str, float], scaled: Sequence[str]) -> dict[str, float]:
+        names = cast(list, scaled)
+        names.pop()  # it escaped the missing-names check, which read the same list
+        return {n: 1.0 for n in names}
+
+    with pytest.raises(ValueError, match=r"without a target: \['b'\]"):
+        policies.apply(drops_one, {"a": 1.0, "b": 1.0}, ["a", "b"])
+
+
 # ---------------------------------------------------------------------------------- share_blocks
 
 

@@ -231,6 +231,19 @@ def test_recorder_state_of_other_options_is_refused_and_options_checked_early() 
     state = Recorder(fm, stream(), optimizer=opt).state_dict()
     with pytest.raises(ValueError, match="saved with every=100, but this Recorder has every=5"):
         Recorder(fm, stream(), optimizer=opt, every=5).load_state_dict(state)
+    # a state is its model's and optimiser's: another width or optimiser loaded silently
+    # (the record mixed rows of two models, FLeRM trained at the other width's rates)
+    wide = model(width=24)
+    with pytest.raises(ValueError, match=r"another model's tensors: '0\.weight': \[10, 6\] there"):
+        Recorder(wide, stream(), optimizer=torch.optim.Adam(wide.parameters())).load_state_dict(
+            state
+        )
+    with pytest.raises(ValueError, match=r"optimizers=\['Adam'\], but this Recorder has .*'SGD'"):
+        sgd = torch.optim.SGD(fm.parameters(), lr=0.1)
+        Recorder(fm, stream(), optimizer=sgd).load_state_dict(state)
+    Recorder(wide, stream(), optimizer=torch.optim.SGD(wide.parameters(), lr=0.1)).load_state_dict(
+        state, strict=False
+    )  # the override
     with pytest.raises(TypeError, match="log_fn"):
         Recorder(fm, stream(), optimizer=opt, log_fn=3)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="optimizer must be"):
