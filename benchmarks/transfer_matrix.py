@@ -20,6 +20,10 @@ the design covers each factor on at least two families:
 - base width: ResMLP 32 and 64, 1-D conv net 16 and 32 channels;
 - data: the ResMLP on MNIST-1D (two generation seeds) and on ``digits_aug``.
 
+Held-out cells (``HELD_OUT_CELLS``, run by name with ``--cells``): combinations of data,
+budget, base width and norm placement no variant or option was chosen on, named before they
+were run, to check that the matrix's findings hold off it.
+
 ``--variant NAME`` runs a FLeRM variant (:mod:`fslr_func.experiments.variants`) on the same
 cells, each in its own folder, at the base rate ``b`` the main cell found and its adaptive
 neighbours; its rows are read against the main cell's re-tuned standard training and muP.
@@ -85,6 +89,10 @@ HELD_OUT_CELLS: dict[str, SweepConfig] = {
     "resmlp-w64-s600": _cell("resmlp", 600, 2, width=64),
     "conv1d-bn-w16-s300": _cell("resconv_bn", 300, 2),
     "conv2d-w8-s300": _cell("resconv", 300, 2, data="digits_aug", width=8),
+    # added after the four above were run, before it was: the family they lack
+    "transformer-postnorm-d16-s150": _cell(
+        "transformer", 150, 2, width=16, norm="postnorm", lrs=octaves(-10, -3)
+    ),
 }
 
 
