@@ -21,7 +21,7 @@ Examples:
     >>> from fslr_func.integrations.lightning import FLeRMCallback
     >>> from fslr_func import FSLRRecord
     >>> base = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"base_lr": 0.1})
-    >>> FLeRMCallback(base, [], mode="periodic").session.options
+    >>> FLeRMCallback(base, [[0.0]], mode="periodic").session.options
     {'mode': 'periodic'}
 """
 

@@ -34,6 +34,7 @@ from torch import nn
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from ..training.flerm import FLeRM
+from ..training.probe_schedule import length_of
 from ..training.recorder import Recorder
 from ..training.step_hooks import StepHooks
 from ..training.wrap import with_fslr
@@ -192,6 +193,11 @@ class _SessionCallback:
         fslr_options: Mapping[str, Any] | None,
         options: Mapping[str, Any],
     ) -> None:
+        if length_of(probe_dataset) == 0:
+            raise ValueError(
+                "probe_dataset is empty: pass held-out model inputs (examples like the "
+                "training set's, without the training examples)"
+            )
         self.probe_dataset = probe_dataset
         self.session = Session(
             base,

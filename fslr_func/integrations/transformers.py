@@ -36,7 +36,7 @@ from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, default_collate
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 
@@ -85,6 +85,26 @@ def log_to_reporters(trainer: Trainer) -> None:
         callback.before_reporters = True
 
 
+_ROWS = (
+    "probe_dataset rows must be like the training rows: dicts of the model's keyword "
+    "arguments ({'input_ids': [...], ...}) that the Trainer's data collator takes"
+)
+
+
+def _probe_collate(collate: Any) -> Any:
+    """The Trainer's ``collate`` for probe rows (the ``DataLoader``'s default without one),
+    saying what probe rows must be when it fails on them."""
+    collate = collate or default_collate
+
+    def collate_probe_rows(rows: list[Any]) -> Any:
+        try:
+            return collate(rows)
+        except (TypeError, ValueError, KeyError, AttributeError) as err:
+            raise TypeError(f"{_ROWS}; collating them failed: {type(err).__name__}: {err}") from err
+
+    return collate_probe_rows
+
+
 class _ProbeInputs:
     """Re-iterable probe batches: collated dicts without ``labels``, their tensors on the
     Trainer's device (as it moves a training batch), ``use_cache=False``."""
@@ -96,9 +116,12 @@ class _ProbeInputs:
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.loader:
+            if not isinstance(batch, Mapping) or not set(batch) - {"labels"}:
+                made = f"keys {sorted(batch)}" if isinstance(batch, Mapping) else type(batch)
+                raise TypeError(_ROWS + f" (the Trainer's data collator made {made})")
             inputs = {
                 k: v.to(self.device) if isinstance(v, torch.Tensor) else v
-                for k, v in dict(batch).items()
+                for k, v in batch.items()
                 if k != "labels"
             }
             if self.use_cache:
@@ -136,11 +159,10 @@ class _Callback(TrainerCallback):
                 RuntimeWarning,
                 stacklevel=2,
             )
-        collate = getattr(train_dataloader, "collate_fn", None)
         loader: DataLoader[Any] = DataLoader(
             self.probe_dataset,  # type: ignore[arg-type]
             batch_size=args.per_device_train_batch_size,
-            collate_fn=collate,
+            collate_fn=_probe_collate(getattr(train_dataloader, "collate_fn", None)),
         )
         use_cache = "use_cache" in inspect.signature(model.forward).parameters
         if state.global_step > 0:

@@ -25,7 +25,7 @@ import torch
 
 from ..probe.functional import Inputs
 
-__all__ = ["ProbeFeed", "ProbePlan"]
+__all__ = ["ProbeFeed", "ProbePlan", "length_of"]
 
 
 def _positive_int(value: object) -> bool:
@@ -75,6 +75,15 @@ class ProbePlan:
         return int(self.every is not None and after > 0 and after % self.every == 0)
 
 
+def length_of(source: object) -> int | None:
+    """``len(source)``, or ``None`` where it has none (an iterator, a ``DataLoader`` over an
+    ``IterableDataset``)."""
+    try:
+        return len(source)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
 class ProbeFeed:
     """Draws probe batches from an iterable, counting them so that a resumed run can skip them.
 
@@ -105,6 +114,11 @@ class ProbeFeed:
                 "probe_batches is one tensor: iterated, each of its rows would be a probe batch "
                 "of one example; pass a list of batches ([x]), or an iterable of them"
             )
+        if length_of(batches) == 0:
+            raise ValueError(
+                "probe_batches is empty: it yields no probe batch; pass held-out model inputs "
+                "(a non-empty list of batches, dataset or DataLoader)"
+            )
         self._source = batches
         self._cycles = not isinstance(batches, Iterator)
         self._it: Iterator[Inputs] | None = None
@@ -131,7 +145,7 @@ class ProbeFeed:
                     f"probe_batches has fewer than the {self._pending} batches the checkpointed "
                     "run used: hand in the same (re-created) iterable"
                 )
-        out = self._draw(n)
+        out = [tuple(b) if isinstance(b, list) else b for b in self._draw(n)]
         if len(out) < n:
             raise ValueError(
                 f"probe_batches ran out after {self.used + len(out)} batches: hand in an endless "

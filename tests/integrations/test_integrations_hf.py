@@ -132,3 +132,53 @@ def test_report_to_tensorboard_reports_fslr_after_log_to_reporters(
         logged = [e["fslr/transformer.h.0.mlp.c_fc.weight"] for e in trainer.state.log_history
                   if "loss" in e]  # fmt: skip
         assert [e.value for e in acc.Scalars(expected)] == pytest.approx(logged, rel=1e-6)
+
+
+def test_an_empty_probe_dataset_is_refused_when_the_callback_is_built() -> None:
+    pytest.importorskip("lightning")
+    from fslr_func.integrations import lightning
+    from fslr_func.integrations.transformers import FLeRMCallback, FSLRCallback
+
+    base = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"base_lr": 0.1})
+    for build in (
+        lambda: FSLRCallback([]),
+        lambda: FLeRMCallback(base, []),
+        lambda: lightning.FSLRCallback(torch.zeros(0, 4)),
+        lambda: lightning.FLeRMCallback(base, []),
+    ):
+        with pytest.raises(ValueError, match="probe_dataset is empty"):
+            build()
+
+
+@pytest.mark.parametrize(
+    ("rows", "says"),
+    [
+        ([torch.arange(8)] * 4, r"collator made keys \[\]"),  # tensors: vars() gives {}
+        ([list(range(8))] * 4, "collating them failed: TypeError"),
+        ([{"labels": list(range(8))}] * 4, r"collator made keys \['labels'\]"),
+    ],
+)
+def test_probe_rows_that_are_not_model_inputs_are_named_as_such(
+    tmp_path: Path, rows: list[Any], says: str
+) -> None:
+    # before: the model's "You have to specify either input_ids or inputs_embeds", or the
+    # collator's "vars() argument must have __dict__ attribute", at the first probe
+    import transformers
+
+    from fslr_func.integrations.transformers import FSLRCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=8)
+    train = [{"input_ids": list(range(8)), "labels": list(range(8))}] * 4
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
+        use_cpu=True, disable_tqdm=True, save_strategy="no",
+    )  # fmt: skip
+    trainer = transformers.Trainer(
+        model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=train,
+        data_collator=transformers.default_data_collator, callbacks=[FSLRCallback(rows)],
+    )  # fmt: skip
+    with pytest.raises(
+        TypeError, match=rf"probe_dataset rows must be like the training rows.*{says}"
+    ):
+        trainer.train()

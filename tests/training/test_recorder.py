@@ -221,6 +221,34 @@ def test_reiterable_probe_batches_are_cycled_with_a_note() -> None:
         ProbeFeed([]).take(1)
 
 
+def test_a_dataloader_over_a_tensor_dataset_probes_like_its_tensors() -> None:
+    """A DataLoader over ``TensorDataset(x)`` yields ``[x_batch]`` lists (default_collate turns
+    tuples into lists): they are positional arguments, as the tensors themselves would be,
+    not an error at the first probe."""
+    probes = torch.randn(16, 6, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(probes), batch_size=8)
+    records = []
+    for source in (loader, [probes[:8], probes[8:]]):
+        fm = model()
+        opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+        rec = Recorder(fm, source, optimizer=opt, warmup_samples=8, every=1)
+        run(fm, opt, rec, range(2))
+        records.append(rec.record)
+    assert records[0].steps == [0, 1]
+    assert records[0].fslr == records[1].fslr
+
+
+@pytest.mark.parametrize("loader", [False, True])
+def test_an_empty_probe_source_is_refused_at_construction(loader: bool) -> None:
+    empty: Any = []
+    if loader:
+        empty = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(0, 6)))
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="probe_batches is empty"):
+        Recorder(fm, empty, optimizer=opt)
+
+
 def test_recorder_and_flerm_take_the_optimizer_the_same_way() -> None:
     fm = model()
     opt = torch.optim.SGD(fm.parameters(), lr=0.1)
