@@ -39,6 +39,7 @@ import torch
 from torch.utils.data import DataLoader, default_collate
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
+from transformers.trainer import TRAINER_STATE_NAME
 
 from .session import STATE_FILE, DrivingCallback, RecordingCallback, Session
 
@@ -166,21 +167,37 @@ class _Callback(TrainerCallback):
         )
         use_cache = "use_cache" in inspect.signature(model.forward).parameters
         if state.global_step > 0:
-            self._resume(os.path.join(_out(args), f"checkpoint-{state.global_step}"))
+            self._resume(os.path.join(_out(args), f"checkpoint-{state.global_step}"), state)
         self.session.start(
             model, optimizer, lr_scheduler, _ProbeInputs(loader, use_cache, args.device)
         )
 
-    def _resume(self, folder: str) -> None:
+    def _resume(self, folder: str, state: TrainerState) -> None:
+        """Load the FSLR state of the checkpoint ``state`` was resumed from, if ``folder``
+        (``output_dir/checkpoint-<step>``) is that checkpoint: the callback is not told the
+        path given to ``resume_from_checkpoint``, so the folder's ``trainer_state.json`` must
+        hold the resumed ``state``'s log history (another run's checkpoint of the same step
+        would otherwise lend its FSLR state)."""
         path = os.path.join(folder, STATE_FILE)
-        if not os.path.isfile(path):
-            warnings.warn(
-                f"resuming at {folder!r} without {STATE_FILE}: the FSLR state starts afresh",
-                RuntimeWarning,
-                stacklevel=3,
+        why = f"{folder!r} has no {STATE_FILE}"
+        if os.path.isfile(path):
+            saved = os.path.join(folder, TRAINER_STATE_NAME)
+            ours = os.path.isfile(saved) and (
+                TrainerState.load_from_json(saved).log_history == state.log_history
             )
-            return
-        self.session.load_state_dict(torch.load(path, weights_only=False))
+            if ours:
+                self.session.load_state_dict(torch.load(path, weights_only=False))
+                return
+            why = (
+                f"{folder!r} is not the checkpoint resumed from (its {TRAINER_STATE_NAME} differs)"
+            )
+        warnings.warn(
+            f"resuming at step {state.global_step}, but {why}: the FSLR state starts afresh. "
+            "The callback reads it from output_dir/checkpoint-<step>: resume from a checkpoint "
+            "in the Trainer's output_dir",
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def on_save(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any

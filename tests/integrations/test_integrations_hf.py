@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +183,43 @@ def test_probe_rows_that_are_not_model_inputs_are_named_as_such(
         TypeError, match=rf"probe_dataset rows must be like the training rows.*{says}"
     ):
         trainer.train()
+
+
+def test_resume_never_takes_the_fslr_state_of_another_runs_checkpoint(tmp_path: Path) -> None:
+    # Resuming run "a"'s checkpoint-1 into output_dir "b", which holds its own checkpoint-1:
+    # the callback (not told the resume path) loaded b's FSLR state into a's run, silently.
+    import transformers
+
+    from fslr_func.integrations.transformers import FSLRCallback
+
+    rows = [{"input_ids": [(3 * i + j) % 64 for j in range(8)]} for i in range(8)]
+    train = [dict(r, labels=r["input_ids"]) for r in rows]
+
+    def run(out: str, lr: float, resume: str | None = None) -> FSLRCallback:
+        torch.manual_seed(0)
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=16, n_head=2, vocab_size=64, n_positions=8, resid_pdrop=0.0,
+            embd_pdrop=0.0, attn_pdrop=0.0,
+        )  # fmt: skip
+        callback = FSLRCallback(rows[:4], every=1, warmup_samples=2, fslr_options={"seed": 0})
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), max_steps=2, per_device_train_batch_size=4,
+            learning_rate=lr, logging_steps=1, save_steps=1, report_to=[], use_cpu=True,
+            disable_tqdm=True, seed=0,
+        )  # fmt: skip
+        transformers.Trainer(
+            model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=train,
+            data_collator=transformers.default_data_collator, callbacks=[callback],
+        ).train(resume_from_checkpoint=resume)  # fmt: skip
+        return callback
+
+    a, b = run("a", 1e-2), run("b", 1e-3)
+    assert a.session.record().fslr != b.session.record().fslr
+    with pytest.warns(RuntimeWarning, match="is not the checkpoint resumed from"):
+        wrong = run("b", 1e-2, resume=str(tmp_path / "a" / "checkpoint-1"))
+    fresh = wrong.session.record()  # started afresh: one new row, b's step-0 row not in it
+    assert len(fresh) == 1 and fresh.at(0) != b.session.record().at(0)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*FSLR state starts afresh")
+        right = run("a", 1e-2, resume=str(tmp_path / "a" / "checkpoint-1"))
+    assert right.session.record().fslr == a.session.record().fslr
