@@ -96,7 +96,12 @@ class ProbeFeed:
     the batches the interrupted run used, so a deterministic iterable re-created from scratch
     (e.g. ``experiments.batches(..., generator=seed)``) yields the same batches as an
     uninterrupted run. One tensor is refused (``TypeError``): iterated, its rows would be
-    probe batches of one example each.
+    probe batches of one example each; so is a source of length 0 (``ValueError``). A batch
+    that is a list, as a ``DataLoader`` over a dataset of tuples (``TensorDataset``) yields,
+    is handed out as a tuple: the model's positional arguments. Drawing never advances the
+    global (CPU) RNG, which a ``DataLoader`` draws a seed from at every pass (and a shuffling
+    one its order): training sees the same dropout masks and shuffles with probes as without,
+    and a resumed run the same as an uninterrupted one.
 
     Examples:
         >>> feed = ProbeFeed(iter(range(10)))
@@ -138,14 +143,15 @@ class ProbeFeed:
         Raises:
             ValueError: a one-shot iterator ran out, or a re-iterable yields nothing.
         """
-        if self._it is None:
-            self._it = iter(self._source)
-            if len(self._draw(self._pending)) < self._pending:
-                raise ValueError(
-                    f"probe_batches has fewer than the {self._pending} batches the checkpointed "
-                    "run used: hand in the same (re-created) iterable"
-                )
-        out = [tuple(b) if isinstance(b, list) else b for b in self._draw(n)]
+        with torch.random.fork_rng(devices=[]):
+            if self._it is None:
+                self._it = iter(self._source)
+                if len(self._draw(self._pending)) < self._pending:
+                    raise ValueError(
+                        f"probe_batches has fewer than the {self._pending} batches the "
+                        "checkpointed run used: hand in the same (re-created) iterable"
+                    )
+            out = [tuple(b) if isinstance(b, list) else b for b in self._draw(n)]
         if len(out) < n:
             raise ValueError(
                 f"probe_batches ran out after {self.used + len(out)} batches: hand in an endless "

@@ -249,6 +249,20 @@ def test_an_empty_probe_source_is_refused_at_construction(loader: bool) -> None:
         Recorder(fm, empty, optimizer=opt)
 
 
+def test_drawing_probe_batches_leaves_the_global_rng_alone() -> None:
+    """Each pass of a DataLoader draws a seed from the global RNG (a shuffling one its order
+    too): drawn by the feed, that changed the training run's later dropout masks and shuffles,
+    and a resumed run's differed from the uninterrupted one's (Trainer + GPT-2 dropout)."""
+    data = torch.utils.data.TensorDataset(torch.arange(4.0).reshape(4, 1))
+    for shuffle in (False, True):
+        feed = ProbeFeed(torch.utils.data.DataLoader(data, batch_size=2, shuffle=shuffle))
+        torch.manual_seed(0)
+        before = torch.random.get_rng_state()
+        with pytest.warns(RuntimeWarning, match="ran out"):
+            feed.take(3)
+        assert torch.equal(torch.random.get_rng_state(), before)
+
+
 def test_recorder_and_flerm_take_the_optimizer_the_same_way() -> None:
     fm = model()
     opt = torch.optim.SGD(fm.parameters(), lr=0.1)
