@@ -26,7 +26,7 @@ __all__ = ["ReadoutFinder", "readout_module", "readout_roles"]
 
 
 class ReadoutFinder:
-    """Finds the readout layer: the leaf module whose output *is* the model output.
+    """Finds the readout layer: the leaf module that computed the model output.
 
     Forward hooks on the leaf modules remember each output during one forward; the module
     whose output is the very tensor the model returns (after ``output_fn``) is the readout. A
@@ -59,8 +59,14 @@ class ReadoutFinder:
         self._handles.clear()
 
     def find(self, output: Tensor) -> str | None:
-        """Name of the module whose output is ``output``, or ``None``; forgets what it saw."""
-        found = next((name for name, t in reversed(self._seen) if t is output), None)
+        """Name of the module that computed ``output``, or ``None``; forgets what it saw.
+
+        The first module, in the order of the forward, to return the very tensor: modules after
+        it that return their input unchanged (``nn.Identity``, as timm's classifier heads end
+        with, ``nn.Flatten`` of a 2-d output, ``nn.Dropout`` in eval mode) pass the readout's
+        output on, and are not the readout.
+        """
+        found = next((name for name, t in self._seen if t is output), None)
         self._seen.clear()
         return found
 

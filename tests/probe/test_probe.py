@@ -106,6 +106,29 @@ def test_readout_can_be_named_and_a_wrong_name_is_a_clear_error():
         probe(model, torch.randn(3, 5), random_delta(model), readout="outt")
 
 
+@pytest.mark.parametrize(
+    "tail",
+    [nn.Identity(), nn.Flatten(), nn.Dropout(0.5).eval()],
+    ids=["identity", "flatten", "eval_dropout"],
+)
+def test_readout_is_the_layer_that_computed_the_output_not_a_pass_through_after_it(tail):
+    # timm's classifier heads end in nn.Identity (their `flatten`): the readout is the Linear
+    # before it, whose output the pass-through returns unchanged, and the estimates are those
+    # of the model without the tail (the pass-through was found instead, silently giving the
+    # readout tensors the tensor-normal estimator).
+    torch.manual_seed(0)
+    body = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Linear(6, 3))
+    model = nn.Sequential(*body, tail)
+    x, delta = torch.randn(4, 5), random_delta(body)
+    r = probe(model, x, delta)
+    assert r.readout_module == "2"
+    assert r.readout == {"2.weight": "weight", "2.bias": "bias"}
+    with_tail = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(3))
+    without = ff.estimate(body, x, delta, generator=torch.Generator().manual_seed(3))
+    for name in delta:
+        torch.testing.assert_close(with_tail[name], without[name], rtol=0, atol=0)
+
+
 def test_no_readout_when_the_output_is_not_a_layer_output():
     model = MLP()
     r = probe(model, torch.randn(3, 5), random_delta(model), output_fn=lambda o: 2 * o)
