@@ -6,6 +6,12 @@ mean of any finite values is finite (:func:`mean_of`). An FSLR unknown in some s
 mean of the seeds that know it (each estimates the same quantity); unknown in all, it stays
 unknown. ``meta`` is the first record's, with ``seed`` the list of all seeds.
 
+Seeds recorded on one probe schedule whose steps differ (a ``GradScaler`` skipped a probed
+step in one seed, and the probe moved to the next step) are averaged on the union of their
+steps, each seed's value at step ``t`` being its row in force there, as a record is read
+(:meth:`~fslr_func.io.record_lookup.Lookups.at`: the latest row at or before ``t``, the first
+row before the first step).
+
 Examples:
     >>> from fslr_func.io.record import FSLRRecord
     >>> a = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"seed": 0})
@@ -16,6 +22,7 @@ Examples:
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 from collections.abc import Sequence
@@ -56,6 +63,17 @@ def _column_means(columns: list[Sequence[float | None]]) -> list[float | None]:
     return out
 
 
+def _rows_in_force(steps: Sequence[int], at: Sequence[int]) -> list[int]:
+    """For each step of ``at``, the index of the row of ``steps`` in force there: the latest
+    at or before it, the first row before the first step.
+
+    Examples:
+        >>> _rows_in_force([1, 3, 6], [0, 1, 3, 4, 6])
+        [0, 0, 1, 1, 2]
+    """
+    return [max(bisect.bisect_right(steps, t) - 1, 0) for t in at]
+
+
 def _geometric_means(gains: list[dict[str, Any]]) -> dict[str, float]:
     """Per tensor, the geometric mean of the seeds' feature gains (tensors with a gain that
     is not a finite number > 0 in some seed are left out)."""
@@ -88,8 +106,14 @@ def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
     gains = [r.meta.get("feature_gain") for r in records]
     if all(isinstance(g, dict) for g in gains):  # Recorder(feature_gains=True)
         meta["feature_gain"] = _geometric_means(cast(list[dict[str, Any]], gains))
-    fslr = {n: _column_means([cast(Any, r.fslr)[n] for r in records]) for n in first.fslr}
+    steps = sorted({t for r in records for t in r.steps})
+    rows = [_rows_in_force(r.steps, steps) for r in records]
+
+    def columns(series: list[Sequence[Any]]) -> list[float | None]:
+        return _column_means([[s[i] for i in idx] for s, idx in zip(series, rows, strict=True)])
+
+    fslr = {n: columns([cast(Any, r.fslr)[n] for r in records]) for n in first.fslr}
     # no None among rates and ratios: their means are all numbers
-    lrs = {n: _column_means([cast(Any, r.lrs)[n] for r in records]) for n in first.lrs}
-    sched = _column_means([cast(Any, r).sched for r in records])
-    return {"steps": list(first.steps), "fslr": fslr, "lrs": lrs, "sched": sched, "meta": meta}
+    lrs = {n: columns([cast(Any, r.lrs)[n] for r in records]) for n in first.lrs}
+    sched = columns([cast(Any, r).sched for r in records])
+    return {"steps": steps, "fslr": fslr, "lrs": lrs, "sched": sched, "meta": meta}

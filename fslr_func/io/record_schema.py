@@ -452,6 +452,19 @@ def check_document(data: Any, source: str, newest: str) -> dict[str, Any]:
 _SAME_META = ("estimator", "grouping", "optimizer", "base_lr", "model", "schedule")
 """Meta keys records must share to be averaged (``None``: not recorded, matches anything)."""
 
+PROBE_PLAN = ("every", "warmup_samples", "start_step")
+"""Meta keys of a Recorder's probe schedule: records that share them planned the same probe
+steps, and differ in steps only where a step that changed no weight (skipped by a
+``GradScaler``) moved a probe to the next step."""
+
+
+def same_probe_plan(a: Series, b: Series) -> bool:
+    """Whether two records were probed on the same schedule (:data:`PROBE_PLAN`, recorded
+    in both)."""
+    return all(
+        a.meta.get(key) is not None and a.meta.get(key) == b.meta.get(key) for key in PROBE_PLAN
+    )
+
 
 class Series(Protocol):
     """The parts of a record :func:`check_compatible` reads."""
@@ -472,9 +485,11 @@ class Series(Protocol):
 def check_compatible(records: Sequence[Series]) -> None:
     """Refuse to average records of different runs: the message names what differs.
 
-    Records averaged over seeds must have the same tensors, steps, shapes and lrs tensors, and
-    the same ``estimator``, ``grouping``, ``optimizer``, ``base_lr``, ``model`` and
-    ``schedule`` where both record them.
+    Records averaged over seeds must have the same tensors, shapes and lrs tensors, and the
+    same ``estimator``, ``grouping``, ``optimizer``, ``base_lr``, ``model`` and ``schedule``
+    where both record them. Their steps must be the same too, unless both were recorded on
+    the same probe schedule (:func:`same_probe_plan`): a skipped step moves a probe, and
+    such records are averaged step by step (:func:`~fslr_func.io.record_mean.seed_mean`).
 
     Raises:
         ValueError: no records, or the first difference between record ``k`` and record 0.
@@ -493,13 +508,15 @@ def check_compatible(records: Sequence[Series]) -> None:
                     f"{short_list(n for n in mine if n not in theirs)}; only in record {k}: "
                     f"{short_list(n for n in theirs if n not in mine)}"
                 )
-        if rec.steps != first.steps:
+        if rec.steps != first.steps and not same_probe_plan(first, rec):
             only0 = sorted(set(first.steps) - set(rec.steps))
             onlyk = sorted(set(rec.steps) - set(first.steps))
             raise ValueError(
                 f"{where}: different steps: only in record 0: {only0[:10]}; only in record {k}: "
                 f"{onlyk[:10]} (record 0 has {len(first.steps)} steps, record {k} has "
-                f"{len(rec.steps)})"
+                f"{len(rec.steps)}), and they do not record one probe schedule "
+                f"(meta {list(PROBE_PLAN)}), under which steps moved by a skipped step are "
+                "averaged"
             )
         shapes0, shapesk = first.meta.get("shapes") or {}, rec.meta.get("shapes") or {}
         diff = sorted(n for n in {*shapes0, *shapesk} if shapes0.get(n) != shapesk.get(n))

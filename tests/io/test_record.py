@@ -363,6 +363,56 @@ def test_mean_of_means_flattens_seeds_and_copies_meta() -> None:
     assert b.meta["shapes"]["a"] == [3, 4]
 
 
+def test_mean_of_seeds_whose_skipped_steps_moved_a_probe_is_taken_step_by_step() -> None:
+    # Under a GradScaler each seed skips its own steps, and a Recorder moves a probe of a
+    # skipped step to the next one: seeds of one run recorded different steps, and mean()
+    # refused them ("different steps"). Records of one probe schedule are averaged on the
+    # union of their steps, each seed read as FLeRM reads it (the row in force).
+    plan = {"every": 3, "warmup_samples": 8, "start_step": 0}
+    a = simple([1.0, 2.0, 3.0], 0, steps=[1, 3, 6])
+    b = simple([10.0, 20.0, 30.0], 1, steps=[0, 4, 6])
+    a.meta.update(plan)
+    b.meta.update(plan)
+    m = FSLRRecord.mean([a, b])
+    assert m.steps == [0, 1, 3, 4, 6]
+    assert m.fslr["a"] == [5.5, 5.5, 6.0, 11.0, 16.5]
+    for t in range(8):
+        assert m.at(t)["b"] == pytest.approx((a.at(t)["b"] + b.at(t)["b"]) / 2, rel=1e-12)
+    assert m.lrs["b"] == [0.2] * 5 and m.meta["seed"] == [0, 1]
+    b.meta["every"] = 2  # another probe schedule: different runs, still refused
+    with pytest.raises(ValueError, match=r"different steps.*probe schedule"):
+        FSLRRecord.mean([a, b])
+
+
+def test_seeds_recorded_under_a_grad_scaler_that_skipped_different_steps_average() -> None:
+    def record(seed: int, skipped: int) -> FSLRRecord:
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+        fm = ff.with_fslr(net, samples=4, seed=seed, strategy="loop")
+        opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu")
+        probes = iter(torch.randn(20, 16, 4, generator=torch.Generator().manual_seed(seed)))
+        rec = ff.Recorder(fm, probes, optimizer=opt, warmup_samples=8, every=3, meta={"seed": seed})
+        for t in range(7):
+            opt.zero_grad()
+            x = torch.randn(16, 4)
+            if t == skipped:
+                x[0, 0] = math.inf
+            scaler.scale(fm(x).square().mean()).backward()
+            with rec.step():  # a skipped probed step warns that its probes move
+                scaler.step(opt)
+            scaler.update()
+        return rec.record
+
+    a, b = record(0, skipped=0), record(1, skipped=3)
+    assert (a.steps, b.steps) == ([1, 3, 6], [0, 4, 6])
+    m = FSLRRecord.mean([a, b])
+    assert m.steps == [0, 1, 3, 4, 6]
+    for t in m.steps:
+        for n in m.names:
+            assert m.at(t)[n] == pytest.approx((a.at(t)[n] + b.at(t)[n]) / 2, rel=1e-12)
+
+
 def test_mean_rejects_mismatches() -> None:
     base = simple([1.0, 2.0])
     other = simple([1.0, 2.0])
