@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map_only
 
 from .names import unwrapped
 
@@ -383,9 +383,13 @@ def model_forward(
 
     A ``torch.compile`` wrapper runs its original module (see :func:`compiled_inner`), and
     compiled submodules run eagerly (:func:`eager_submodules`); ``forward_seed`` runs the
-    forward under its own seeded RNG (see :func:`seeded_forward`).
+    forward under its own seeded RNG (see :func:`seeded_forward`). The forward gets copies of
+    the input tensors, as buffers are copied: a forward that changes its input in place
+    (``x.div_(255)``) would otherwise change the caller's probe batch, and every later
+    forward on it (``exact`` runs one per tensor, ``with_fslr`` one per measured step)
+    would measure another input.
     """
-    args, kwargs = split_inputs(inputs)
+    args, kwargs = tree_map_only(Tensor, torch.clone, split_inputs(inputs))
     module, prefix = compiled_inner(model)
     if prefix:
         tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}

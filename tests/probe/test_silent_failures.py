@@ -151,6 +151,36 @@ def test_tensors_that_really_do_not_move_the_function_still_read_zero(func: str)
     assert float(got["B"]) > 0 and float(got["base.weight"]) > 0
 
 
+class ScalesItsInput(nn.Module):
+    """Normalises its input in place, as ``x.div_(255)`` in a vision or RL forward does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 8), nn.Linear(8, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x.div_(2.0)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_a_forward_that_changes_its_input_in_place_neither_changes_nor_sees_a_changed_batch():
+    # Every forward of the probe and of exact changed the caller's probe batch: exact (one
+    # forward per tensor) measured each tensor on another input, and a probe batch reused
+    # step after step drifted (here x / 2**k).
+    torch.manual_seed(0)
+    model, x = ScalesItsInput(), torch.randn(6, 4)
+    kept, delta = x.clone(), updates(model)
+    got = ff.exact(model, x, delta)
+    assert torch.equal(x, kept)
+    for name, update in delta.items():  # each tensor alone, on a fresh copy of the batch
+        alone = ff.exact(model, kept.clone(), {name: update})[name]
+        torch.testing.assert_close(got[name], alone, rtol=1e-12, atol=0)
+    first = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(0))
+    again = ff.estimate(model, x, delta, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(x, kept)
+    assert all(torch.equal(first[n], again[n]) for n in delta)
+
+
 @pytest.mark.parametrize("func", sorted(ONE_SHOT))
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_non_finite_inputs_are_named(func: str, bad: float) -> None:
