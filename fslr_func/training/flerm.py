@@ -324,6 +324,9 @@ class FLeRM(StepController):
             )
         params = self.targets.params
         names = [n for n, p in params.items() if p.requires_grad and id(p) in held]
+        if self.names:  # tensors that joined the optimiser since (add_param_group) are late:
+            # matched if the record has them, else held at their group's rate with a note
+            self.targets.late.update(n for n in names if n not in self.names)
         if names != self.names:
             self.names = names + [n for n in self.names if n not in names]
 

@@ -97,6 +97,29 @@ def test_an_added_tensor_the_base_lacks_keeps_its_group_rate_with_a_note() -> No
     assert "body.weight" in flerm.ratios  # the others are matched
 
 
+def test_a_tensor_of_the_model_that_joins_the_optimiser_later_is_held_like_an_adapter() -> None:
+    # Gradual unfreezing: the tensor is in the model from the start, but reaches the
+    # optimiser by add_param_group after FLeRM was built, and the base record lacks it. The
+    # set point after it joined raised the identity policy's "different tensors" error in
+    # the middle of the run; it is held at its group's rate with a note, as a late adapter.
+    net = Net(32, adapter=True)
+    fm = ff.with_fslr(net, samples=4, seed=0)
+    adapter = list(net.adapter.parameters())  # type: ignore[union-attr]
+    opt = torch.optim.Adam([*net.body.parameters(), *net.head.parameters()], lr=LR)
+    flerm = ff.FLeRM(
+        fm, opt, base(adapter=False), probe_batches=probes(), warmup_samples=8,
+        mode="periodic", every=2,
+    )  # fmt: skip
+    step(fm, opt, flerm, 0)
+    opt.add_param_group({"params": adapter, "lr": 2 * LR})
+    step(fm, opt, flerm, 1)
+    with pytest.warns(RuntimeWarning, match=r"\['adapter.weight', 'adapter.bias'\] have no base"):
+        step(fm, opt, flerm, 2)
+    assert set(flerm.history[-1].held) == {"adapter.weight", "adapter.bias"}
+    assert flerm.lrs()["adapter.weight"] == 2 * LR  # its group's rate
+    assert "body.weight" in flerm.ratios
+
+
 def test_a_tensor_frozen_in_the_scaled_run_is_not_another_architecture() -> None:
     net = Net(32, adapter=False)
     net.body.bias.requires_grad_(False)
