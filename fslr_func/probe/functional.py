@@ -212,6 +212,12 @@ def _check_delta_structure(delta: Mapping[str, Tensor], tensors: ModuleTensors, 
     ]
     if not_tensor:
         raise TypeError(f"{what} values must be tensors:\n" + "\n".join(not_tensor))
+    masks = [n for n, d in delta.items() if d.dtype == torch.bool]
+    if masks:
+        raise TypeError(
+            f"{what} values must be numeric updates, got bool tensors (a mask?) for {masks}: "
+            "pass the update itself, (W_after - W_before) / lr, as a floating tensor"
+        )
     complex_ = [n for n, d in delta.items() if d.is_complex() or tensors.trainable[n].is_complex()]
     if complex_:
         raise ValueError(

@@ -368,6 +368,22 @@ def test_complex_parameters_are_refused_not_silently_cast() -> None:
     assert set(ff.estimate(model, x, real, samples=2)) == set(real)  # the real ones are fine
 
 
+def test_a_bool_update_is_refused_and_an_integer_one_is_an_update() -> None:
+    # A bool tensor (a mask) was read as an update of 1 wherever it was True.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3))
+    x = torch.randn(5, 4)
+    mask = {"0.weight": torch.rand(6, 4) > 0.5}
+    for func in ("estimate", "exact"):
+        with pytest.raises(TypeError, match=r"bool tensors \(a mask\?\) for \['0.weight'\]"):
+            call(func, model, x, mask)
+    ints = {"0.weight": torch.randint(-2, 3, (6, 4))}
+    torch.testing.assert_close(
+        ff.exact(model, x, ints)["0.weight"],
+        ff.exact(model, x, {"0.weight": ints["0.weight"].float()})["0.weight"],
+    )
+
+
 def test_options_are_checked_when_the_wrapper_and_recorder_are_built() -> None:
     """Bad options fail at construction, before optimizer.step() has run, not at the first
     probe after it."""
