@@ -272,7 +272,15 @@ def run_probe(
 
     Returns:
         A :class:`ProbeResult`.
+
+    Raises:
+        TypeError: ``generator`` is not a ``torch.Generator`` (a seed was passed for one).
     """
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(
+            f"generator must be a torch.Generator or None, got {type(generator).__name__} "
+            f"{generator!r}: pass torch.Generator().manual_seed(seed)"
+        )
     if reduction is None:
         return _run(model, inputs, delta, options, generator, params, None, strict)
     with reduction.gathered(model, delta, params) as (full_delta, rest):

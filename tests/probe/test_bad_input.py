@@ -270,6 +270,16 @@ def test_with_fslr_rejects_bad_options_at_construction(
     snap.check(model)
 
 
+@pytest.mark.parametrize("func", ["estimate", "probe"])
+@pytest.mark.parametrize("generator", [0, "cpu"])
+def test_a_seed_passed_as_the_generator_is_a_clear_error(func: str, generator: Any) -> None:
+    # It failed deep inside the sampling loop with "'int' object has no attribute 'device'".
+    model, x, delta = make()
+    fn = ff.estimate if func == "estimate" else probe
+    with pytest.raises(TypeError, match=r"generator must be a torch.Generator.*manual_seed"):
+        fn(model, x, delta, generator=generator)
+
+
 def test_a_model_without_trainable_parameters() -> None:
     model, x, delta = make()
     model.requires_grad_(False)
