@@ -80,9 +80,13 @@ class Measurement:
         tensor moves nothing: it has no FSLR and is not probed), into ``snapshots``' buffers
         where given (reused step to step: :attr:`before` is then valid until the next step).
 
+        A step at which every rate is 0 while a scheduler drives the rates (a group has an
+        ``initial_lr`` > 0: a warm-up from 0, as Hugging Face's schedules start) has nothing
+        to measure: it is taken, a warning says so, and the measurement is empty.
+
         Raises:
             ValueError: the optimisers update none of ``module``'s parameters, or every rate
-                is 0 at this step.
+                is 0 at this step and no scheduler drives them.
         """
         held = {n: lr for o in optimizers for n, lr in group_rates(module, o).items()}
         if not held:
@@ -93,7 +97,14 @@ class Measurement:
         current = dict(module.named_parameters())
         rates = {n: lr for o in optimizers for n, lr in rates_in_force(module, o).items()}
         lrs = {n: lr for n, lr in held.items() if rates[n] != 0.0 and current[n].numel() > 0}
-        if not lrs:
+        if not lrs and _warming_up(optimizers):
+            warnings.warn(
+                "fm.measure: every learning rate is 0 at this step (a warm-up from 0): there "
+                "is no update to measure; the step is taken and the estimates keep their values",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        elif not lrs:
             raise ValueError(
                 "every learning rate is 0 at this step (a warm-up from 0?): there is no update "
                 "to measure; measure a step with a non-zero rate (Recorder and FLeRM wait for "
@@ -147,6 +158,11 @@ class Measurement:
         """Tensors that moved but none of whose probes at this step could be folded in (their
         statistics were not finite)."""
         return self.read().left_out
+
+
+def _warming_up(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+    """Whether a scheduler drives the rates: some group starts from an ``initial_lr`` > 0."""
+    return any(float(g.get("initial_lr") or 0.0) > 0.0 for o in optimizers for g in o.param_groups)
 
 
 def _changed(delta: Tensor) -> Tensor:

@@ -274,8 +274,9 @@ class FSLRModule(nn.Module):
             A :class:`Measurement`, filled in when the block exits.
 
         Raises:
-            ValueError: the optimiser updates none of the module's parameters; ``inputs`` is
-                an empty list.
+            ValueError: the optimiser updates none of the module's parameters; every rate
+                is 0 and no scheduler drives them (a warm-up from 0 warns and measures
+                nothing); ``inputs`` is an empty list.
             RuntimeError: a ``measure`` block inside another one (one step, measured once).
         """
         batches = _probe_batches(inputs)
@@ -295,7 +296,8 @@ class FSLRModule(nn.Module):
             self._measuring = False
         m.after_step(self.module, scaled, self._updates)
         counts = dict(self.ema.counts)
-        self.fold(batches, m.delta, params=m.before, step=step, changed=m.changed)
+        if m.delta:  # empty at a step whose every rate is 0 (a warm-up from 0)
+            self.fold(batches, m.delta, params=m.before, step=step, changed=m.changed)
         m.log_sq, m.ema, m.reported = self.log_sq(), self.ema, self.reported
         m.inputs = batches
         m.folded = {n: c - counts[n] if n in counts else c for n, c in self.ema.counts.items()}

@@ -172,3 +172,34 @@ def test_the_wrapper_reuses_and_checkpoints_the_strategy_timing_chose():
     pinned = ff.with_fslr(ResMLP(), samples=3, strategy="loop")
     pinned.observe(data()[0], delta)
     assert pinned.resolved_strategy == "loop"
+
+
+def test_a_warm_up_from_zero_skips_the_first_measurement_instead_of_stopping_the_run():
+    # Hugging Face's linear warm-up starts at lr 0: the README's loop, fm.measure around
+    # every step, raised "every learning rate is 0" at step 0 and stopped the run.
+    torch.manual_seed(0)
+    fm = ff.with_fslr(MLP(), samples=2, seed=0)
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: t / 3)
+    before = {n: p.detach().clone() for n, p in fm.module.named_parameters()}
+    for t in range(2):
+        opt.zero_grad()
+        fm(torch.randn(8, 5)).square().mean().backward()
+        if t == 0:
+            warm_up = pytest.warns(RuntimeWarning, match="warm-up from 0")
+            with warm_up, fm.measure(opt, torch.randn(8, 5)) as m:
+                opt.step()
+            assert m.moved == () and m.fslr == {} and fm.fslr() == {}
+            for n, p in fm.module.named_parameters():  # the step ran at rate 0
+                assert torch.equal(p, before[n])
+        else:
+            with fm.measure(opt, torch.randn(8, 5)) as m:
+                opt.step()
+            assert set(m.fslr) == set(before) and all(v > 0 for v in m.fslr.values())
+        sched.step()
+    no_scheduler = torch.optim.SGD(fm.parameters(), lr=0.0)  # rate 0 for good: an error
+    with (
+        pytest.raises(ValueError, match="every learning rate is 0"),
+        fm.measure(no_scheduler, torch.randn(8, 5)),
+    ):
+        pass
