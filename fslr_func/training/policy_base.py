@@ -79,19 +79,25 @@ def identity(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, f
         >>> identity({"w": 0.5}, ["w", "v"])
         Traceback (most recent call last):
         ...
-        ValueError: identity policy: the base record and the scaled model have different tensors: scaled tensors missing from the base record: ['v']; base tensors absent from the scaled model: []. Is the record from another architecture? For depth scaling use policy='share_blocks' or a custom callable.
+        ValueError: identity policy: the base record and the scaled model have different tensors: scaled tensors missing from the base record: ['v']. Is the record from another architecture? For depth scaling use policy='share_blocks' or a custom callable.
     """  # noqa: E501
     check_unique(scaled)
     missing = [n for n in scaled if n not in base]
     scaled_set = set(scaled)
     extra = [n for n in base if n not in scaled_set]
     if missing or extra:
+        parts = [
+            f"{what}: {short_list(names)}"
+            for what, names in (
+                ("scaled tensors missing from the base record", missing),
+                ("base tensors absent from the scaled model", extra),
+            )
+            if names
+        ]
         raise ValueError(
             "identity policy: the base record and the scaled model have different tensors: "
-            f"scaled tensors missing from the base record: {short_list(missing)}; "
-            f"base tensors absent from the scaled model: {short_list(extra)}. Is the record from "
-            "another architecture? For depth scaling use policy='share_blocks' or a custom "
-            "callable."
+            f"{'; '.join(parts)}. Is the record from another architecture? For depth scaling "
+            "use policy='share_blocks' or a custom callable."
         )
     return {n: float(base[n]) for n in scaled}
 
