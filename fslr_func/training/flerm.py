@@ -75,6 +75,7 @@ from torch import Tensor
 
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
+from ..probe.names import short_list
 from . import policies
 from .controller import LogFn, StepController
 from .feature_gains import hidden_fan_in, step_gains
@@ -300,12 +301,34 @@ class FLeRM(StepController):
         self._rates: Rates = {}
         self._before: dict[str, Tensor] = {}
         self._point: SetPoint | None = None
-        self.targets.at(start_step, self.names, self._note_each)  # fail now, not at the set point
+        self._check_targets(start_step)  # fail now, not at the set point
         self.match: Matched = match
         self.feature_power = float(feature_power)
         self.feature_factors: dict[str, float] | None = None
         self.base_gains = _base_gains(fm, base, match)
         _warn_if_per_process(fm)
+
+    def _check_targets(self, step: int) -> None:
+        """The targets at ``step`` exist for every tensor driven (else the policy's error).
+
+        A one-to-one policy's error over tensors the base record lacks adds how to resume a
+        run in which they joined after FLeRM was built (late adapters, ``add_param_group``):
+        that run held them at their group's rate, and a resumed one rebuilt with them in the
+        optimiser from the start would be refused here.
+        """
+        try:
+            self.targets.at(step, self.names, self._note_each)
+        except ValueError as err:
+            recorded = set(self.targets.base_names.values())
+            lacking = [n for n in self.names if self.targets.bare[n] not in recorded]
+            if not (self.targets.one_to_one and lacking):
+                raise
+            raise ValueError(
+                f"{err} Resuming a run in which {short_list(lacking)} joined the optimiser or "
+                "the model after FLeRM was built (late adapters, add_param_group)? Build FLeRM "
+                "as that run did, before adding them, then load the states: they are held at "
+                "their group's rate again"
+            ) from err
 
     # ------------------------------------------------------------------ rates
 
@@ -450,9 +473,13 @@ class FLeRM(StepController):
             "ratios": dict(self.ratios),
             "history": [asdict(p) for p in self.history],
             "feature_factors": self.feature_factors,
+            "late": sorted(self.targets.late),
         }
 
     def _load_own_state(self, state: Mapping[str, Any]) -> None:
+        # tensors added since construction (a resumed run rebuilt as it was built, its late
+        # groups added again) are taken up first, as the saved run took them up at a step
+        self._adopt()
         if list(state["names"]) != self.names:
             raise ValueError(
                 "this FLeRM state is for other tensors: "
@@ -464,6 +491,7 @@ class FLeRM(StepController):
             None if factors is None else {str(k): float(v) for k, v in factors.items()}
         )
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
+        self.targets.late |= {str(n) for n in state.get("late", ())}
 
 
 def _base_gains(fm: FSLRModule, base: FSLRRecord, matched: Matched) -> dict[str, float]:

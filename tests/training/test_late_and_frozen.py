@@ -4,6 +4,7 @@ them), and tensors frozen in the scaled run (not "another architecture")."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Iterator
 
@@ -130,3 +131,53 @@ def test_a_tensor_frozen_in_the_scaled_run_is_not_another_architecture() -> None
         warnings.simplefilter("error")
         step(fm, opt, flerm, 0)
     assert set(flerm.ratios) == {"body.weight", "head.weight", "head.bias"}
+
+
+def test_a_run_with_a_late_tensor_resumes_exactly_when_rebuilt_as_it_was_built() -> None:
+    """Rebuilt with the late tensor's group in the optimiser from the start, FLeRM refuses the
+    base record (it lacks that tensor) and says how to resume; rebuilt the way the run was
+    (FLeRM first, the group added after), the resumed run matches the uninterrupted one."""
+    record = base(adapter=False)
+
+    def build(late_group: bool) -> tuple[Net, nn.Module, torch.optim.Optimizer]:
+        net = Net(32, adapter=True)
+        fm = ff.with_fslr(net, samples=4, seed=0)
+        opt = torch.optim.Adam([*net.body.parameters(), *net.head.parameters()], lr=LR)
+        if late_group:
+            opt.add_param_group({"params": list(net.adapter.parameters()), "lr": 2 * LR})
+        return net, fm, opt
+
+    def flerm(fm: nn.Module, opt: torch.optim.Optimizer) -> ff.FLeRM:
+        return ff.FLeRM(
+            fm, opt, record, probe_batches=probes(), warmup_samples=8, mode="periodic", every=2
+        )  # type: ignore[arg-type]
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the held adapter's note
+        net, fm, opt = build(late_group=False)
+        ctl = flerm(fm, opt)
+        step(fm, opt, ctl, 0)
+        opt.add_param_group({"params": list(net.adapter.parameters()), "lr": 2 * LR})
+        for t in (1, 2, 3):
+            step(fm, opt, ctl, t)
+        state = copy.deepcopy(
+            {"fm": fm.state_dict(), "opt": opt.state_dict(), "flerm": ctl.state_dict()}
+        )  # a checkpoint: the live state dicts hold the tensors that train on
+        for t in (4, 5):
+            step(fm, opt, ctl, t)
+
+        _, fm2, opt2 = build(late_group=True)
+        with pytest.raises(ValueError, match=r"adapter\.weight.*Build FLeRM as that run did"):
+            flerm(fm2, opt2)
+
+        net3, fm3, opt3 = build(late_group=False)
+        resumed = flerm(fm3, opt3)
+        opt3.add_param_group({"params": list(net3.adapter.parameters()), "lr": 2 * LR})
+        fm3.load_state_dict(state["fm"])
+        opt3.load_state_dict(state["opt"])
+        resumed.load_state_dict(state["flerm"])
+        for t in (4, 5):
+            step(fm3, opt3, resumed, t)
+    assert resumed.lrs() == ctl.lrs()
+    for (n, p), (_, q) in zip(fm.named_parameters(), fm3.named_parameters(), strict=True):
+        assert torch.equal(p, q), n
