@@ -191,7 +191,10 @@ class FLeRM(StepController):
             the ratio of the feature gains (output movement per movement of the features,
             the readout's input, :mod:`fslr_func.training.feature_gains`) of the first
             updates, measured once at the first set point and kept; the base's come from
-            ``Recorder(..., feature_gains=True)``. One process only.
+            ``Recorder(..., feature_gains=True)``. One process only; it needs the readout
+            layer (refused with ``with_fslr(..., readout=None)``) and warns where the model
+            differs from the base but no tensor is hidden. A factor that would push a rate
+            past its dtype's range holds the tensor, as a non-finite FSLR does.
         feature_power: :math:`p` of ``match="features"``. At the default :math:`p = 1` each
             hidden tensor moves the features as far as the base's did: on the transfer
             matrix within 2% of re-tuned standard training, or better, on 12 of its 13
@@ -306,6 +309,8 @@ class FLeRM(StepController):
         self.feature_power = float(feature_power)
         self.feature_factors: dict[str, float] | None = None
         self.base_gains = _base_gains(fm, base, match)
+        if match == "features":
+            self._warn_if_nothing_hidden()
         _warn_if_per_process(fm)
 
     def _check_targets(self, step: int) -> None:
@@ -422,9 +427,12 @@ class FLeRM(StepController):
         # a rate past sqrt(dtype max) overflows inside the optimiser (a 1e300 base FSLR)
         params = self.targets.params
         limits = {n: torch.finfo(params[n].dtype).max ** 0.5 for n in self.names}
-        matched = match(targets, measured, lr0=self.lr0, min_fslr=self.min_fslr, max_rate=limits)
+        # the feature factors scale the targets before matching, so that a rate they push past
+        # the dtype's limit (a huge feature_power) is held like any other, not applied
         factors = self.feature_factors or {}
-        self.ratios.update({n: r * factors.get(n, 1.0) for n, r in matched.ratios.items()})
+        wanted = {n: t * factors.get(n, 1.0) for n, t in targets.items()}
+        matched = match(wanted, measured, lr0=self.lr0, min_fslr=self.min_fslr, max_rate=limits)
+        self.ratios.update(matched.ratios)
         if self.scheduler is None and "initial_lr" in self.optimizer.param_groups[0]:
             warnings.warn(
                 "FLeRM: a scheduler is attached to the optimizer but was not passed as "
@@ -449,6 +457,29 @@ class FLeRM(StepController):
         shapes = {n.removeprefix(prefix): tuple(self.targets.params[n].shape) for n in self.names}
         return hidden_fan_in(shapes, self.base.shapes)
 
+    def _warn_if_nothing_hidden(self) -> None:
+        """Warn where ``match="features"`` cannot act: the model differs from the base (a
+        tensor of another shape) but none of its tensors is hidden (wider in both dims), so
+        every tensor matches output movement. A model of the base's shapes is silent: there
+        the factors are 1 by construction."""
+        if self._hidden():
+            return
+        prefix, shapes = self.fm.name_prefix, self.base.shapes
+        resized = [
+            n
+            for n in self.names
+            if tuple(self.targets.params[n].shape) != shapes.get(n.removeprefix(prefix))
+        ]
+        if resized:
+            warnings.warn(
+                f"FLeRM: match='features' changes nothing here: {resized[:5]} differ from the "
+                "base record's shapes (or it has none), but no tensor FLeRM drives is hidden "
+                "(fan-out and fan-in both different from the base's, as in a wider model), so "
+                "every tensor matches output movement, as with match='output'",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
     def _feature_factors(self, m: Measurement) -> dict[str, float]:
         """Per hidden tensor, its scaled feature gain over the base's (both measured), to
         the power ``feature_power``."""
@@ -456,7 +487,7 @@ class FLeRM(StepController):
         hidden = self._hidden()
         gains = step_gains(self.fm, m, names={n for n in hidden if n in self.base_gains})
         power = self.feature_power
-        factors = {prefix + n: (gain / self.base_gains[n]) ** power for n, gain in gains.items()}
+        factors = {prefix + n: _power(g / self.base_gains[n], power) for n, g in gains.items()}
         missing = sorted(set(hidden) - {n.removeprefix(prefix) for n in factors})
         self._note_each(
             missing,
@@ -494,12 +525,31 @@ class FLeRM(StepController):
         self.targets.late |= {str(n) for n in state.get("late", ())}
 
 
+def _power(x: float, p: float) -> float:
+    """``x ** p`` for ``x > 0``, ``inf`` where it overflows (``math.pow`` raises instead).
+
+    Examples:
+        >>> _power(4.0, 0.5), _power(10.0, 1e3), _power(0.1, 1e3)
+        (2.0, inf, 0.0)
+    """
+    try:
+        return math.pow(x, p)
+    except OverflowError:
+        return math.inf
+
+
 def _base_gains(fm: FSLRModule, base: FSLRRecord, matched: Matched) -> dict[str, float]:
     """The base record's feature gains, checked, for ``match="features"`` (else empty)."""
     if matched not in ("output", "features"):
         raise ValueError(f"match must be 'output' or 'features', got {matched!r}")
     if matched == "output":
         return {}
+    if fm.options.readout is None:
+        raise ValueError(
+            "match='features' measures the movement of the features, the readout layer's "
+            "input, and the wrapper was built with readout=None: wrap with "
+            "with_fslr(..., readout='auto') or name the readout module"
+        )
     if fm.reduction is not None:
         raise ValueError(
             "match='features' measures feature gains in one process; it does not run across "

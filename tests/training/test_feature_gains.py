@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -160,3 +161,38 @@ def test_gains_of_a_model_with_frozen_tensors_leave_them_out(frozen):
     }
     assert set(gains) == trainable_before_readout
     assert all(math.isfinite(g) and g > 0 for g in gains.values())
+
+
+def test_a_huge_feature_power_holds_the_tensor_instead_of_overflowing():
+    """(gain ratio) ** 1000 overflows a float: the set point used to raise OverflowError in
+    the middle of training, and a large finite factor skipped the dtype's rate limit."""
+    base = _base()
+    with pytest.warns(RuntimeWarning, match=r"too large for the parameter's dtype.*2\.weight"):
+        flerm = _flerm(base, "features", feature_power=1000.0)
+    factor = flerm.feature_factors["2.weight"]
+    assert not 1e-30 < factor < 1e30  # the gains' ratio ** 1000
+    lrs = flerm.lrs()
+    assert all(math.isfinite(lr) and lr > 0 for lr in lrs.values())
+    assert "2.weight" in flerm.history[0].held
+    assert "2.weight" not in flerm.ratios and lrs["2.weight"] == 1e-2  # its group's rate
+
+
+def test_matching_features_refuses_a_wrapper_without_readout_at_construction():
+    fm = ff.with_fslr(_net(16), samples=4, seed=0, readout=None)
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"readout=None: wrap with with_fslr\(\.\.\., readout="):
+        ff.FLeRM(fm, opt, _base(), probe_batches=iter([]), match="features")
+
+
+def test_matching_features_warns_where_no_tensor_is_hidden():
+    base = _base()
+    torch.manual_seed(0)
+    fm = ff.with_fslr(nn.Sequential(nn.Linear(D_IN, 4), nn.Tanh(), nn.Linear(4, 4), nn.Tanh(),
+                                    nn.Linear(4, 7)), samples=4, seed=0)  # fmt: skip
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2)
+    with pytest.warns(RuntimeWarning, match=r"match='features' changes nothing here: \['4\."):
+        ff.FLeRM(fm, opt, base, probe_batches=iter([]), match="features")
+    fm, opt, _ = _setup(4)  # the base's own shapes: factors of 1 by construction, no warning
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ff.FLeRM(fm, opt, base, probe_batches=iter([]), match="features")
