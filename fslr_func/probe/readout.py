@@ -75,17 +75,32 @@ def readout_module(model: nn.Module, name: str) -> nn.Module:
     """The submodule ``name`` given as ``readout=``.
 
     Raises:
-        ValueError: no such module, with the closest leaf-module names.
+        ValueError: no such module, with the closest leaf-module names; or a module without a
+            ``weight`` or ``bias`` tensor of its own (an activation, a container, the model
+            itself), which no readout estimator could use, with the modules that have one.
     """
+    names = [n for n, m in model.named_modules() if _own_tensors(m)]
     try:
-        return model.get_submodule(name)
+        module = model.get_submodule(name)
     except AttributeError as err:
-        names = [n for n, m in model.named_modules() if next(m.children(), None) is None]
         close = difflib.get_close_matches(name, names, n=3)
         raise ValueError(
             f"readout={name!r} is not a module of the model"
             + (f"; did you mean {close}?" if close else "")
         ) from err
+    if not _own_tensors(module):
+        raise ValueError(
+            f"readout={name!r} is a {type(module).__name__} without a weight or bias tensor of "
+            "its own, so its tensors could not get the readout estimators: name the layer "
+            f"that computes the model output (modules with one: {names[-3:]}), or pass "
+            "readout='auto' to find it"
+        )
+    return module
+
+
+def _own_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` has a ``weight`` or ``bias`` tensor of its own."""
+    return any(isinstance(getattr(module, a, None), Tensor) for a in ("weight", "bias"))
 
 
 def readout_roles(

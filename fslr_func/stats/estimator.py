@@ -26,6 +26,7 @@ The FSLR is the square root of the estimate.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -219,8 +220,10 @@ class EMA:
     last_dropped: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {self.beta}")
+        beta: object = self.beta
+        number = isinstance(beta, numbers.Real) and not isinstance(beta, bool)
+        if not (number and 0 <= float(beta) < 1):  # type: ignore[arg-type]
+            raise ValueError(f"beta must be in [0, 1), a number, got {beta!r}")
 
     def update(
         self,

@@ -136,6 +136,8 @@ class FSLRModule(nn.Module):
             seed = int(torch.randint(0, 2**62, ()).item())
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
+        if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
+            raise ValueError(f"seed must be in [-2**63, 2**64) (a torch seed), got {seed}")
         self.seed = seed
         self.generators: dict[str, torch.Generator] = {}
         self.register_state_dict_post_hook(save_bare)  # type: ignore[no-untyped-call]

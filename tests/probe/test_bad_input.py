@@ -226,6 +226,13 @@ OPTION_ROWS: dict[str, tuple[tuple[str, ...], dict[str, Any], type[Exception], s
         ValueError,
         r"readout='haed' is not a module of the model; did you mean \['head'\]",
     ),
+    "readout without weights": (
+        ("estimate", "probe"),
+        {"readout": ""},
+        ValueError,
+        r"readout='' is a Net without a weight or bias tensor of its own.*\['body', 'norm', "
+        r"'head'\]",
+    ),
     "forward_seed not an int": (
         ("estimate", "exact", "probe"),
         {"forward_seed": 1.5},
@@ -258,6 +265,12 @@ def test_bad_options(row: str, func: str) -> None:
         ({"grouping": "rows"}, "unknown grouping 'rows'"),
         ({"beta": 1.0}, r"beta must be in \[0, 1\)"),
         ({"beta": -0.1}, r"beta must be in \[0, 1\)"),
+        ({"beta": "0.9"}, r"beta must be in \[0, 1\), a number, got '0.9'"),
+        ({"beta": math.nan}, r"beta must be in \[0, 1\)"),
+        (
+            {"seed": 2**64},
+            r"seed must be in \[-2\*\*63, 2\*\*64\) \(a torch seed\), got 1844674407370955161",
+        ),
     ],
 )
 def test_with_fslr_rejects_bad_options_at_construction(
@@ -406,6 +419,9 @@ def test_options_are_checked_when_the_wrapper_and_recorder_are_built() -> None:
         ff.with_fslr(model, output_fn=3)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"readout='nope' is not a module"):
         ff.with_fslr(model, readout="nope")
+    for name, kind in (("1", "Tanh"), ("", "Sequential")):  # no readout estimator could apply
+        with pytest.raises(ValueError, match=rf"readout='{name}' is a {kind} without a weight"):
+            ff.with_fslr(model, readout=name)
     fm = ff.with_fslr(model)
     for bad in (0, -1.0, float("nan"), True):
         with pytest.raises(ValueError, match="base_lr"):
