@@ -168,7 +168,13 @@ def apply(
     names = list(scaled)
     check_unique(names)
     who = f"policy {getattr(p, '__qualname__', None) or repr(p)}"
-    result = p(base, list(names))  # a copy: a policy that edits it cannot escape the checks
+    try:
+        result = p(base, list(names))  # a copy: a policy that edits it cannot escape the checks
+    except Exception as err:
+        err.add_note(
+            f"(raised by {who}, called with {len(base)} base and {len(names)} scaled names)"
+        )
+        raise
     if not isinstance(result, Mapping):
         raise ValueError(
             f"{who} returned {type(result).__name__}, expected a dict of scaled tensor name -> "
@@ -178,10 +184,15 @@ def apply(
     missing = [n for n in names if n not in result]
     extra = [str(n) for n in result if n not in name_set]
     if missing or extra:
-        raise ValueError(
-            f"{who} returned wrong tensor names: scaled tensors without a target: "
-            f"{short_list(missing)}; names not in the scaled model: {short_list(extra)}"
-        )
+        parts = [
+            f"{what}: {short_list(listed)}"
+            for what, listed in (
+                ("scaled tensors without a target", missing),
+                ("names not in the scaled model", extra),
+            )
+            if listed
+        ]
+        raise ValueError(f"{who} returned wrong tensor names: {'; '.join(parts)}")
     out: dict[str, float] = {}
     bad: list[str] = []
     for n in names:

@@ -11,6 +11,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import numbers
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
@@ -47,8 +48,9 @@ def check_unique(scaled: Sequence[str]) -> None:
 
 
 def check_total(total: float) -> float:
-    """``total`` as a float, refused unless finite and ``> 0`` (``ValueError``)."""
-    t = float(total)
+    """``total`` as a float, refused unless a finite number ``> 0`` (``ValueError``)."""
+    number = isinstance(total, numbers.Real) and not isinstance(total, bool)
+    t = float(total) if number else math.nan
     if not (math.isfinite(t) and t > 0):
         raise ValueError(f"total must be a finite number > 0, got {total!r}")
     return t

@@ -292,6 +292,9 @@ def test_equal_errors() -> None:
         equal(0.0)
     with pytest.raises(ValueError, match="total"):
         equal(math.nan)
+    for bad in ("x", None, True):  # a string or None gave float()'s own error; True read as 1
+        with pytest.raises(ValueError, match=rf"total must be a finite number > 0, got {bad!r}"):
+            equal(bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="no tensors"):
         equal()({}, ["w"])
     with pytest.raises(ValueError, match=r"missing from the base record: \['v'\]"):
@@ -369,6 +372,17 @@ def test_apply_validates_custom_policies() -> None:
     for policy, match in cases:
         with pytest.raises(ValueError, match=match):
             apply(policy, base, scaled)  # type: ignore[arg-type]
+    # only the side that has names is listed (no "names not in the scaled model: []")
+    with pytest.raises(ValueError, match=r"without a target: \['b'\]$"):
+        apply(lambda b, s: {"w": 1.0}, base, scaled)
+
+    def broken(b: Mapping[str, float], s: Sequence[str]) -> dict[str, float]:
+        raise KeyError("blocks.9.w")
+
+    with pytest.raises(KeyError) as info:  # the policy's own error, saying whose it is
+        apply(broken, base, scaled)
+    assert "raised by policy" in "".join(info.value.__notes__)
+    assert "broken" in "".join(info.value.__notes__)
     with pytest.raises(ValueError, match="unique"):
         apply(identity, base, ["w", "w"])
     # a base FSLR of zero gives a zero target: rejected, naming the tensor
