@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 import math
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -96,7 +96,8 @@ class ProbeFeed:
     the batches the interrupted run used, so a deterministic iterable re-created from scratch
     (e.g. ``experiments.batches(..., generator=seed)``) yields the same batches as an
     uninterrupted run. One tensor is refused (``TypeError``): iterated, its rows would be
-    probe batches of one example each; so is a source of length 0 (``ValueError``). A batch
+    probe batches of one example each; so is one dict, which yields its keys; so is a source
+    of length 0 (``ValueError``). A batch
     that is a list, as a ``DataLoader`` over a dataset of tuples (``TensorDataset``) yields,
     is handed out as a tuple: the model's positional arguments. Drawing never advances the
     global (CPU) RNG, which a ``DataLoader`` draws a seed from at every pass (and a shuffling
@@ -118,6 +119,12 @@ class ProbeFeed:
             raise TypeError(
                 "probe_batches is one tensor: iterated, each of its rows would be a probe batch "
                 "of one example; pass a list of batches ([x]), or an iterable of them"
+            )
+        if isinstance(batches, Mapping):
+            raise TypeError(
+                "probe_batches is one dict (keyword arguments of one batch?): iterated, it "
+                "yields its keys, not batches; pass a list of batches ([batch]), or an "
+                "iterable of them"
             )
         if length_of(batches) == 0:
             raise ValueError(

@@ -84,6 +84,12 @@ def test_one_tensor_as_probe_batches_is_refused_not_split_into_rows() -> None:
     opt = torch.optim.SGD(fm.parameters(), lr=0.1)
     with pytest.raises(TypeError, match=r"one tensor.*\[x\]"):
         Recorder(fm, next(stream()), optimizer=opt)
+    # one batch of keyword arguments iterates as its keys: refused at construction, not at the
+    # first probe (after optimizer.step) with "inputs must be a Tensor ..., got str"
+    with pytest.raises(TypeError, match=r"one dict .*yields its keys.*\[batch\]"):
+        Recorder(fm, {"input": next(stream())}, optimizer=opt)
+    with pytest.raises(TypeError, match=r"one dict"):
+        ff.FLeRM(fm, opt, ff.FSLRRecord(), probe_batches={"input": next(stream())})
 
 
 def test_warmup_from_zero_measures_at_the_first_nonzero_rate() -> None:
