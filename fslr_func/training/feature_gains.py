@@ -38,12 +38,34 @@ from ..stats.estimator import ReadoutRole
 from .measurement import Measurement
 from .wrapper import FSLRModule
 
-__all__ = ["NoReadoutError", "feature_gains", "hidden_fan_in", "readout_of", "step_gains"]
+__all__ = [
+    "NoReadoutError",
+    "feature_gains",
+    "hidden_fan_in",
+    "readout_of",
+    "require_readout",
+    "step_gains",
+]
 
 
 class NoReadoutError(ValueError):
     """The probe found no readout layer (a head tied to the embedding, an output that is not
     one module's), or the readout gets no tensor input: there are no features to measure."""
+
+
+def require_readout(fm: FSLRModule, what: str) -> None:
+    """Refuse, when ``what`` is built, a wrapper made with ``readout=None``: without the
+    readout layer there are no features to measure (it would fail at the first probe).
+
+    Raises:
+        NoReadoutError: ``fm.options.readout`` is ``None``.
+    """
+    if fm.options.readout is None:
+        raise NoReadoutError(
+            f"{what} measures the movement of the features, the readout layer's input, and "
+            "the wrapper was built with readout=None: wrap with with_fslr(..., "
+            "readout='auto') or name the readout module"
+        )
 
 
 def hidden_fan_in(

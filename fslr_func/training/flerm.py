@@ -78,7 +78,7 @@ from ..probe.functional import Inputs
 from ..probe.names import short_list
 from . import policies
 from .controller import LogFn, StepController
-from .feature_gains import hidden_fan_in, step_gains
+from .feature_gains import hidden_fan_in, require_readout, step_gains
 from .flerm_rule import Match, match, rate
 from .flerm_targets import BaseTargets, Note, PastEnd, Unknown
 from .probe_schedule import ProbePlan
@@ -544,12 +544,7 @@ def _base_gains(fm: FSLRModule, base: FSLRRecord, matched: Matched) -> dict[str,
         raise ValueError(f"match must be 'output' or 'features', got {matched!r}")
     if matched == "output":
         return {}
-    if fm.options.readout is None:
-        raise ValueError(
-            "match='features' measures the movement of the features, the readout layer's "
-            "input, and the wrapper was built with readout=None: wrap with "
-            "with_fslr(..., readout='auto') or name the readout module"
-        )
+    require_readout(fm, "match='features'")
     if fm.reduction is not None:
         raise ValueError(
             "match='features' measures feature gains in one process; it does not run across "

@@ -47,7 +47,7 @@ from ..io.record_meta import is_learning_rate
 from ..probe.functional import Inputs
 from ..probe.names import unwrapped
 from .controller import LogFn, StepController, trainable_shapes
-from .feature_gains import step_gains
+from .feature_gains import require_readout, step_gains
 from .rates import group_lr, rates_in_force, when_final
 from .wrapper import FSLRModule, Measurement
 
@@ -181,6 +181,8 @@ class Recorder(StepController):
             config={"base_lr": base_lr, "feature_gains": bool(feature_gains)},
         )
         self.feature_gains = bool(feature_gains)
+        if self.feature_gains:
+            require_readout(fm, "Recorder(..., feature_gains=True)")
         self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.names)
         shapes = trainable_shapes(fm)
         self.record = FSLRRecord(

@@ -178,8 +178,11 @@ def test_a_huge_feature_power_holds_the_tensor_instead_of_overflowing():
 
 
 def test_matching_features_refuses_a_wrapper_without_readout_at_construction():
+    """Both failed at the first probe, after optimizer.step(), with NoReadoutError."""
     fm = ff.with_fslr(_net(16), samples=4, seed=0, readout=None)
     opt = torch.optim.AdamW(fm.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"Recorder\(\.\.\., feature_gains=True\) measures"):
+        ff.Recorder(fm, iter([]), optimizer=opt, feature_gains=True)
     with pytest.raises(ValueError, match=r"readout=None: wrap with with_fslr\(\.\.\., readout="):
         ff.FLeRM(fm, opt, _base(), probe_batches=iter([]), match="features")
 
