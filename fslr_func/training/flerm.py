@@ -273,7 +273,7 @@ class FLeRM(StepController):
             config={
                 "mode": mode,
                 "every": every,
-                "policy": getattr(resolved, "__qualname__", repr(resolved)),
+                "policy": policies.describe(resolved),
                 "min_fslr": float(min_fslr),
                 "unknown": unknown,
                 "past_end": past_end,

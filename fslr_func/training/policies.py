@@ -45,6 +45,7 @@ Examples:
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import SupportsFloat, TypeAlias, cast
 
@@ -58,6 +59,7 @@ __all__ = [
     "Policy",
     "PolicySpec",
     "apply",
+    "describe",
     "equal",
     "equal_all",
     "identity",
@@ -95,6 +97,20 @@ def is_one_to_one(policy: Policy) -> bool:
 
 PolicySpec: TypeAlias = str | Policy | Callable[[], Policy] | None
 """What :func:`resolve` and :func:`apply` accept: a name, a policy, a factory, or ``None``."""
+
+
+def describe(policy: Policy) -> str:
+    """A name of ``policy`` that is the same in every process: its ``__qualname__``, else its
+    ``repr`` without memory addresses (a callable object, a ``functools.partial``). Messages
+    show it, and a saved FLeRM state is compared on it when it is loaded.
+
+    Examples:
+        >>> import functools
+        >>> describe(identity), describe(functools.partial(identity))
+        ('identity', 'functools.partial(<function identity>)')
+    """
+    name = getattr(policy, "__qualname__", None)
+    return name if isinstance(name, str) else re.sub(r" at 0x[0-9a-fA-F]+", "", repr(policy))
 
 
 def resolve(policy: PolicySpec) -> Policy:
@@ -167,7 +183,7 @@ def apply(
     p = resolve(policy)
     names = list(scaled)
     check_unique(names)
-    who = f"policy {getattr(p, '__qualname__', None) or repr(p)}"
+    who = f"policy {describe(p)}"
     try:
         result = p(base, list(names))  # a copy: a policy that edits it cannot escape the checks
     except Exception as err:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import math
 import re
@@ -552,6 +553,32 @@ def test_state_of_other_tensors_is_rejected(base: FSLRRecord) -> None:
     torch.save(flerm.state_dict(), buf)  # plain data: loads with weights_only
     buf.seek(0)
     assert torch.load(buf, weights_only=True)["names"] == flerm.names
+
+
+class _Doubled:
+    """A callable-object policy: its default repr holds a memory address."""
+
+    def __call__(self, base: Any, scaled: Any) -> dict[str, float]:
+        return {n: 2.0 * base[n] for n in scaled}
+
+
+def _times(base: Any, scaled: Any, k: float) -> dict[str, float]:
+    return {n: k * base[n] for n in scaled}
+
+
+@pytest.mark.parametrize("make", [_Doubled, lambda: functools.partial(_times, k=2.0)])
+def test_a_state_with_a_callable_object_policy_loads_into_a_new_flerm(
+    base: FSLRRecord, make: Callable[[], Any]
+) -> None:
+    """A policy object (or partial) built again, as a resumed process does, has another
+    address: its saved name held that address, so load_state_dict refused the state with
+    "saved with policy='<...Doubled object at 0x...>'"."""
+    fm = build()
+    opt = torch.optim.Adam(fm.parameters())
+    state = FLeRM(fm, opt, base, probe_batches=stream(3), policy=make()).state_dict()
+    again = FLeRM(fm, opt, base, probe_batches=stream(3), policy=make())
+    again.load_state_dict(state)
+    assert " at 0x" not in state["config"]["policy"]
 
 
 def test_works_in_the_experiments_training_loop(base: FSLRRecord) -> None:
