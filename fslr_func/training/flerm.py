@@ -66,7 +66,7 @@ import hashlib
 import json
 import math
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -440,7 +440,8 @@ class FLeRM(StepController):
                 RuntimeWarning,
                 stacklevel=5,
             )
-        _report(matched, step, self.min_fslr, self._note_each)
+        idle = {n for n, (lr, _) in self._rates.items() if not lr}
+        _report(matched, step, self.min_fslr, self._note_each, idle)
         rates = self._rates_at(step)
         return SetPoint(
             step=step,
@@ -564,9 +565,11 @@ def _base_gains(fm: FSLRModule, base: FSLRRecord, matched: Matched) -> dict[str,
     return {str(n): float(g) for n, g in gains.items()}
 
 
-def _report(matched: Match, step: int, min_fslr: float, note: Note) -> None:
+def _report(
+    matched: Match, step: int, min_fslr: float, note: Note, idle: Collection[str] = ()
+) -> None:
     """Warn about the tensors a set point could not match (each named once, the non-finite
-    ones every time)."""
+    ones every time); ``idle``: those in param groups at rate 0, which did not move."""
     note(
         matched.unmatched,
         f"FLeRM step {step}: {{}} have no base tensor to match (parameters added to the "
@@ -583,7 +586,13 @@ def _report(matched: Match, step: int, min_fslr: float, note: Note) -> None:
             stacklevel=6,
         )
     note(
-        matched.zero,
+        [n for n in matched.zero if n in idle],
+        f"FLeRM step {step}: {{}} are in param groups at learning rate 0, so their update "
+        "could not be measured; they get no FLeRM rate and follow their group's rate "
+        "(start FLeRM, start_step=..., once every group's rate is above 0)",
+    )
+    note(
+        [n for n in matched.zero if n not in idle],
         f"FLeRM step {step}: the FSLR or base target of {{}} is zero or below "
         f"min_fslr={min_fslr:g} (e.g. LoRA A while B is still zero); they keep "
         "their current learning rate (start FLeRM later with start_step=...)",

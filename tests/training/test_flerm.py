@@ -581,6 +581,23 @@ def test_a_state_with_a_callable_object_policy_loads_into_a_new_flerm(
     assert " at 0x" not in state["config"]["policy"]
 
 
+def test_a_param_group_at_rate_0_is_named_as_such_not_as_a_zero_fslr(base: FSLRRecord) -> None:
+    """Its tensors were reported as having "an FSLR or base target of zero ... (e.g. LoRA A
+    while B is still zero)"; the cause is the group's rate of 0."""
+    fm = build(32, samples=4)
+    readout = [p for n, p in fm.module.named_parameters() if n.startswith("readout.")]
+    others = [p for n, p in fm.module.named_parameters() if not n.startswith("readout.")]
+    opt = torch.optim.Adam([{"params": others}, {"params": readout, "lr": 0.0}], lr=LR0)
+    flerm = FLeRM(fm, opt, base, probe_batches=stream(3), warmup_samples=8)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loop(fm, opt, flerm, data(2, 1))
+    messages = [str(w.message) for w in caught]
+    assert any("'readout.weight'" in m and "at learning rate 0" in m for m in messages)
+    assert not any("readout.weight" in m and "zero or below min_fslr" in m for m in messages)
+    assert flerm.lrs()["readout.weight"] == 0.0 and flerm.lrs()["readout.bias"] == 0.0
+
+
 def test_works_in_the_experiments_training_loop(base: FSLRRecord) -> None:
     fm = build(32, samples=4)
     opt = torch.optim.Adam(fm.parameters(), lr=LR0)
