@@ -15,6 +15,7 @@ Examples:
 from __future__ import annotations
 
 import difflib
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -119,14 +120,18 @@ def readout_roles(
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     w_name, b_name = prefix + "weight", prefix + "bias"
     uses = sum(p is weight for _, p in model.named_parameters(remove_duplicate=False))
-    if (
-        isinstance(weight, Tensor)
-        and w_name in trainable
-        and uses == 1
-        and weight.dim() == 2
-        and weight.shape[0] == num_outputs
-    ):
-        roles[w_name] = "weight"
+    if isinstance(weight, Tensor) and w_name in trainable and uses == 1 and weight.dim() == 2:
+        if weight.shape[0] == num_outputs:
+            roles[w_name] = "weight"
+        else:  # only a named module can miss: the one found computed the output
+            warnings.warn(
+                f"readout={module_name!r} has a weight of shape {tuple(weight.shape)}, but the "
+                f"model output has {num_outputs} entries on its last dim: it does not compute "
+                "the output, so its tensors get the tensor-normal estimator, not the "
+                "readout's; name the layer that computes the output or pass readout='auto'",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     if isinstance(bias, Tensor) and b_name in trainable and bias.shape == (num_outputs,):
         roles[b_name] = "bias"
     return roles

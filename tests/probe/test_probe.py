@@ -106,6 +106,15 @@ def test_readout_can_be_named_and_a_wrong_name_is_a_clear_error():
         probe(model, torch.randn(3, 5), random_delta(model), readout="outt")
 
 
+def test_a_named_readout_that_does_not_compute_the_output_is_not_silently_ignored():
+    """``hidden`` (7 rows, the output has 3) got no readout role without a word: the user
+    believed the readout estimators applied."""
+    model = MLP()
+    with pytest.warns(RuntimeWarning, match=r"readout='hidden' has a weight of shape \(7, 7\).*3"):
+        r = probe(model, torch.randn(3, 5), random_delta(model), readout="hidden")
+    assert r.readout == {}
+
+
 @pytest.mark.parametrize(
     "tail",
     [nn.Identity(), nn.Flatten(), nn.Dropout(0.5).eval()],
