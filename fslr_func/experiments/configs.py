@@ -432,6 +432,18 @@ class SweepConfig:
             f"must be one of {', '.join(POLICIES)}, got {self.flerm_policy!r}",
         )
         need(
+            not (
+                self.flerm_policy == "identity"
+                and self.axis in DEPTH_AXES
+                and "flerm" in self.modes
+                and len(self.scales) > 1
+            ),
+            "flerm_policy",
+            f"'identity' needs the base and scaled models to have the same tensors, and axis "
+            f"{self.axis!r} adds blocks: use share_blocks (the default there), equal or "
+            "equal_all",
+        )
+        need(
             self.flerm_init in FLERM_INITS,
             "flerm_init",
             f"must be one of {', '.join(FLERM_INITS)}, got {self.flerm_init!r}",

@@ -390,6 +390,8 @@ def test_mean_record_uses_common_steps() -> None:
         ({"modes": ()}, "modes"),
         ({"flerm_mode": "sometimes"}, "flerm_mode"),
         ({"flerm_policy": "nope"}, "flerm_policy"),
+        # adds blocks the identity policy cannot map: failed after the base runs had trained
+        ({"flerm_policy": "identity", "axis": "depth"}, "flerm_policy"),
         ({"flerm_init": "xavier"}, "flerm_init"),
         ({"axis": "width_depth", "depth": 3, "scales": (1, 4 / 3)}, "scales"),
         ({"model": "transformer", "data": "text", "width": 24}, "scales"),
