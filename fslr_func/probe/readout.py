@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from ..stats.estimator import ReadoutRole
 
@@ -80,16 +81,17 @@ def readout_module(model: nn.Module, name: str) -> nn.Module:
             ``weight`` or ``bias`` tensor of its own (an activation, a container, the model
             itself), which no readout estimator could use, with the modules that have one.
     """
-    names = [n for n, m in model.named_modules() if _own_tensors(m)]
     try:
         module = model.get_submodule(name)
     except AttributeError as err:
+        names = [n for n, m in model.named_modules() if _own_tensors(m)]
         close = difflib.get_close_matches(name, names, n=3)
         raise ValueError(
             f"readout={name!r} is not a module of the model"
             + (f"; did you mean {close}?" if close else "")
         ) from err
     if not _own_tensors(module):
+        names = [n for n, m in model.named_modules() if _own_tensors(m)]
         raise ValueError(
             f"readout={name!r} is a {type(module).__name__} without a weight or bias tensor of "
             "its own, so its tensors could not get the readout estimators: name the layer "
@@ -100,8 +102,17 @@ def readout_module(model: nn.Module, name: str) -> nn.Module:
 
 
 def _own_tensors(module: nn.Module) -> bool:
-    """Whether ``module`` has a ``weight`` or ``bias`` tensor of its own."""
-    return any(isinstance(getattr(module, a, None), Tensor) for a in ("weight", "bias"))
+    """Whether ``module`` has a ``weight`` or ``bias`` tensor of its own: a parameter, a
+    buffer, a parametrized tensor or a plain tensor attribute (legacy ``weight_norm``), found
+    without computing it (a spectral norm's power iteration would update its buffers)."""
+    own = {n for n, _ in module.named_parameters(recurse=False)}
+    own |= {n for n, _ in module.named_buffers(recurse=False)}
+    return any(
+        a in own
+        or parametrize.is_parametrized(module, a)
+        or isinstance(vars(module).get(a), Tensor)
+        for a in ("weight", "bias")
+    )
 
 
 def readout_roles(
