@@ -34,7 +34,8 @@ class ReadoutFinder:
     whose output is the very tensor the model returns (after ``output_fn``) is the readout. A
     readout weight that is tied to another tensor (GPT-2's head and embedding) is not given the
     row-independent estimator, since the independence argument needs the weight to act only
-    in the readout.
+    in the readout; for the same reason a module called more than once in the forward is not
+    a readout.
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -66,11 +67,15 @@ class ReadoutFinder:
         The first module, in the order of the forward, to return the very tensor: modules after
         it that return their input unchanged (``nn.Identity``, as timm's classifier heads end
         with, ``nn.Flatten`` of a 2-d output, ``nn.Dropout`` in eval mode) pass the readout's
-        output on, and are not the readout.
+        output on, and are not the readout. A module that ran more than once in the forward
+        (one layer applied at every depth, a weight-shared recurrence) is not a readout either:
+        its tensors act before the output too, so rows of its weight are not independent, and
+        the readout estimators would be biased (like a weight tied to another tensor).
         """
         found = next((name for name, t in self._seen if t is output), None)
+        calls = sum(name == found for name, _ in self._seen)
         self._seen.clear()
-        return found
+        return found if calls == 1 else None
 
 
 def readout_module(model: nn.Module, name: str) -> nn.Module:

@@ -138,6 +138,35 @@ def test_readout_is_the_layer_that_computed_the_output_not_a_pass_through_after_
         torch.testing.assert_close(with_tail[name], without[name], rtol=0, atol=0)
 
 
+class _SharedLayer(nn.Module):
+    """One ``Linear`` applied twice: ``out = W(Wx + b) + b = W^2 x + (W + I) b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        with torch.no_grad():  # W + I = 0.5 * ones: every output mixes every bias entry
+            self.lin.weight.copy_(0.5 * torch.ones(6, 6) - torch.eye(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.lin(x))
+
+
+def test_a_layer_applied_more_than_once_is_not_a_readout(double):
+    # The shared layer computes the output, but its tensors also act before it: the readout
+    # bias estimator E[q0] drops the cross terms that (W + I) b has, and read ||J db|| at
+    # sqrt(6 / 36) = 0.41 of exact, silently. Not a readout: kron, within its noise of exact
+    # (S = 400 Gaussian samples: relative sd of a mean of squares ~ sqrt(2/400) = 7%; the
+    # square root halves it).
+    torch.manual_seed(0)
+    model, x = _SharedLayer(), torch.randn(16, 6)
+    delta = {"lin.weight": torch.zeros(6, 6), "lin.bias": torch.ones(6)}
+    r = probe(model, x, delta)
+    assert r.readout_module is None and r.readout == {}
+    est = ff.estimate(model, x, delta, samples=400, generator=torch.Generator().manual_seed(0))
+    want = ff.exact(model, x, delta)["lin.bias"]
+    torch.testing.assert_close(est["lin.bias"], want, rtol=0.1, atol=0)
+
+
 def test_no_readout_when_the_output_is_not_a_layer_output():
     model = MLP()
     r = probe(model, torch.randn(3, 5), random_delta(model), output_fn=lambda o: 2 * o)
