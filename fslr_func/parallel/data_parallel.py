@@ -59,7 +59,7 @@ import contextlib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.distributed as dist
@@ -79,6 +79,7 @@ __all__ = [
     "DataParallelReduction",
     "OmegaDraw",
     "all_reduce_gradients",
+    "data_parallel_layer",
     "estimate",
     "is_data_parallel",
     "omega_span",
@@ -92,18 +93,36 @@ OMEGA_DRAWS: tuple[str, ...] = get_args(OmegaDraw)
 """The names :data:`OmegaDraw` allows: ``"global"`` and ``"local"``."""
 
 
+def data_parallel_layer(model: nn.Module) -> nn.Module | None:
+    """The ``DistributedDataParallel``/``DataParallel`` wrapper that ``model`` is, also under
+    ``torch.compile`` (``torch.compile(DDP(model))``, as PyTorch's DDP docs compile), or
+    ``None``.
+
+    Examples:
+        >>> lin = torch.nn.Linear(2, 2)
+        >>> data_parallel_layer(lin) is None
+        True
+        >>> data_parallel_layer(torch.nn.DataParallel(lin)).module is lin
+        True
+    """
+    layer = unwrapped(model, data_parallel=False)[0]
+    return layer if isinstance(layer, (DistributedDataParallel, DataParallel)) else None
+
+
 def is_data_parallel(model: nn.Module) -> bool:
-    """Whether ``model`` is a ``DistributedDataParallel`` or ``DataParallel`` wrapper.
+    """Whether ``model`` is a ``DistributedDataParallel`` or ``DataParallel`` wrapper, also
+    under ``torch.compile`` (:func:`data_parallel_layer`).
 
     Examples:
         >>> is_data_parallel(torch.nn.Linear(2, 2))
         False
     """
-    return isinstance(model, (DistributedDataParallel, DataParallel))
+    return data_parallel_layer(model) is not None
 
 
 def unwrap(model: nn.Module) -> nn.Module:
-    """The module inside (possibly nested) ``DistributedDataParallel``/``DataParallel`` wrappers.
+    """The module inside (possibly nested) ``DistributedDataParallel``/``DataParallel`` wrappers
+    and the ``torch.compile`` layers around them (a compiled *inner* model stays compiled).
 
     Probes run on the inner module: the wrapper's forward would prepare gradient
     synchronisation and broadcast buffers, neither of which belongs in a functional probe.
@@ -113,7 +132,9 @@ def unwrap(model: nn.Module) -> nn.Module:
         >>> unwrap(torch.nn.DataParallel(lin)) is lin, unwrap(lin) is lin
         (True, True)
     """
-    return unwrapped(model, compiled=False)[0]
+    while (layer := data_parallel_layer(model)) is not None:
+        model = cast(nn.Module, layer.module)
+    return model
 
 
 def omega_span(sizes: Sequence[int], rank: int) -> tuple[int, int]:

@@ -328,7 +328,9 @@ def check_single_process(model: nn.Module) -> None:
         ValueError: ``model`` is a ``DistributedDataParallel`` module or has DTensor
             (FSDP2-sharded) parameters.
     """
-    if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+    if isinstance(
+        unwrapped(model, data_parallel=False)[0], torch.nn.parallel.DistributedDataParallel
+    ):
         raise ValueError(
             "the model is a DistributedDataParallel module: a one-process probe would measure "
             "only this rank's shard of the batch. Use fslr_func.distributed.estimate/probe on "

@@ -14,6 +14,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..parallel.data_parallel import (
     DataParallelReduction,
     OmegaDraw,
+    data_parallel_layer,
     is_data_parallel,
     unwrap,
 )
@@ -58,7 +59,7 @@ class DistributedFSLRModule(FSLRModule):
     ) -> None:
         sharded = is_fully_sharded(model)
         if distributed is None:
-            distributed = isinstance(model, DistributedDataParallel) or sharded
+            distributed = isinstance(data_parallel_layer(model), DistributedDataParallel) or sharded
         if sharded and not distributed:
             raise ValueError(
                 "an FSDP2 (fully_shard) model is probed across its ranks: distributed=False "

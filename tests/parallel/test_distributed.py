@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _gloo import free_port, spawn
+from conftest import random_delta
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
@@ -362,5 +363,33 @@ def test_one_process_functions_refuse_ddp_and_fsdp2_models() -> None:
             FSLRModule(sharded)
         with pytest.raises(ValueError, match="distributed=False"):
             ff.with_fslr(sharded, distributed=False)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_compiled_ddp_is_probed_across_ranks() -> None:
+    """``torch.compile(DDP(model))``, as PyTorch's DDP docs compile: ``with_fslr`` took the
+    compiled wrapper for a plain model, so every rank probed only its own shard (two ranks'
+    FSLRs differed by 2.4x, silently) under names with ``_orig_mod.module.``; ``ff.estimate``
+    measured one rank's shard. Now it is the DDP case: distributed, the bare model's names,
+    the compiled wrapper's forward, and the one-process functions refuse it."""
+    _one_process_group(free_port())
+    try:
+        model = _mlp()
+        compiled = torch.compile(DistributedDataParallel(model), backend="eager")
+        fm = ff.with_fslr(compiled, samples=2, seed=0)
+        assert isinstance(fm, fd.DistributedFSLRModule) and fm.distributed
+        assert fm.module is model and fm.ddp is compiled
+        x, delta = torch.randn(4, 5, dtype=torch.float64), random_delta(model)
+        opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+        fm(x).square().mean().backward()
+        with fm.measure(opt, x):
+            opt.step()
+        assert sorted(fm.fslr()) == sorted(n for n, _ in model.named_parameters())
+        prefixed = {f"_orig_mod.module.{n}": d for n, d in delta.items()}
+        for fn in (ff.estimate, ff.exact):
+            with pytest.raises(ValueError, match=r"fslr_func\.distributed"):
+                fn(compiled, x, prefixed)
     finally:
         dist.destroy_process_group()
