@@ -28,6 +28,26 @@ Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
 OutputFn = Callable[[Any], Tensor]
 
 
+def renormed_in_forward(model: nn.Module) -> list[Tensor]:
+    """The weights that ``model``'s forward changes in place: those of ``nn.Embedding`` and
+    ``nn.EmbeddingBag`` with ``max_norm``, whose looked-up rows are renormalised in place.
+
+    Probes and ``exact`` run their forwards on copies of these, so that measuring leaves the
+    model's weights as they were (as it leaves its buffers).
+
+    Examples:
+        >>> len(renormed_in_forward(nn.Embedding(3, 2, max_norm=1.0)))
+        1
+        >>> len(renormed_in_forward(nn.Embedding(3, 2)))
+        0
+    """
+    return [
+        m.weight
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None
+    ]
+
+
 @dataclass(frozen=True)
 class ModuleTensors:
     """The tensors of a module, split the way the probe needs them.
@@ -44,11 +64,14 @@ class ModuleTensors:
 
     @classmethod
     def of(cls, model: nn.Module) -> ModuleTensors:
-        """Split ``model``'s parameters and buffers (detached; no copies are made)."""
+        """Split ``model``'s parameters and buffers (detached; no copies are made, except of
+        the weights the forward changes in place: see :func:`renormed_in_forward`)."""
         trainable: dict[str, Tensor] = {}
         frozen: dict[str, Tensor] = {}
+        renormed = renormed_in_forward(model)
         for name, p in model.named_parameters():
-            (trainable if p.requires_grad else frozen)[name] = p.detach()
+            t = p.detach().clone() if any(p is w for w in renormed) else p.detach()
+            (trainable if p.requires_grad else frozen)[name] = t
         buffers = {name: b for name, b in model.named_buffers()}
         return cls(trainable, frozen, buffers)
 

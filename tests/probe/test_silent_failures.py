@@ -182,6 +182,27 @@ def test_a_forward_that_changes_its_input_in_place_neither_changes_nor_sees_a_ch
 
 
 @pytest.mark.parametrize("func", sorted(ONE_SHOT))
+@pytest.mark.parametrize("frozen", [False, True], ids=["probed", "frozen"])
+def test_a_max_norm_embedding_keeps_its_weights(func: str, frozen: bool) -> None:
+    # nn.Embedding(max_norm=...) renormalises the looked-up rows of its weight in place in
+    # every forward: ff.estimate and ff.exact changed the caller's embedding (rows of norm
+    # 1.2 to 2.7 cut to 1) for the tokens of the probe batch. Now they measure on a copy,
+    # with the estimate of the renormalised function it computes.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 6, max_norm=1.0), nn.Tanh(), nn.Linear(6, 3))
+    ids = torch.randint(0, 10, (4, 3), generator=torch.Generator().manual_seed(0))
+    kept = model[0].weight.detach().clone()
+    assert kept[ids.unique()].norm(dim=1).min() > 1.1  # the probe batch's rows would be cut
+    delta = updates(model)
+    if frozen:
+        model[0].weight.requires_grad_(False)
+        delta.pop("0.weight")
+    got = ONE_SHOT[func](model, ids, delta)
+    assert torch.equal(model[0].weight, kept)
+    assert all(torch.isfinite(v) and v > 0 for v in got.values())
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
 @pytest.mark.parametrize("bad", [math.nan, math.inf])
 def test_non_finite_inputs_are_named(func: str, bad: float) -> None:
     torch.manual_seed(0)
