@@ -52,6 +52,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..probe.functional import Inputs
+from ..probe.names import unwrapped
 from .probe_schedule import ProbeFeed, ProbePlan
 from .rates import rates_in_force
 from .step_hooks import StepHooks, unwrap_optimizer, unwrap_scheduler
@@ -63,6 +64,7 @@ __all__ = [
     "check_log_fn",
     "check_scheduler",
     "check_state",
+    "fslr_module_of",
     "optimizers_of",
 ]
 
@@ -205,6 +207,20 @@ def _difference(key: str, saved: Any, value: Any, what: str) -> str:
     return f"another model's tensors: {listed}{more}"
 
 
+def fslr_module_of(fm: object) -> FSLRModule:
+    """The :func:`~fslr_func.with_fslr` wrapper that ``fm`` is, or holds under
+    ``torch.compile`` and data-parallel layers: ``torch.compile(fm)``, or ``DDP(fm)`` around
+    a ``with_fslr(model, distributed=True)``.
+
+    Raises:
+        TypeError: ``fm`` is no such wrapper.
+    """
+    inner = unwrapped(fm)[0] if isinstance(fm, torch.nn.Module) else fm
+    if not isinstance(inner, FSLRModule):
+        raise TypeError(f"fm must be a with_fslr(model) wrapper, got {type(fm).__name__}")
+    return inner
+
+
 class StepController:
     """Runs the probe schedule around one optimiser step at a time; see the module docstring.
 
@@ -253,8 +269,7 @@ class StepController:
         log_fn: LogFn | None = None,
         config: Mapping[str, Any] | None = None,
     ) -> None:
-        if not isinstance(fm, FSLRModule):
-            raise TypeError(f"fm must be a with_fslr(model) wrapper, got {type(fm).__name__}")
+        fm = fslr_module_of(fm)
         if not isinstance(probe_batches, Iterable):
             raise TypeError(
                 "probe_batches must be an iterable of probe inputs (a DataLoader, a list, a "

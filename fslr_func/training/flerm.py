@@ -149,7 +149,8 @@ class FLeRM(StepController):
     parameters added to the model (late LoRA adapters) are adopted at the next step.
 
     Args:
-        fm: the wrapped scaled model (:func:`fslr_func.with_fslr`); its estimator and grouping
+        fm: the wrapped scaled model (:func:`fslr_func.with_fslr`, also under ``torch.compile``
+            or ``DDP``); its estimator and grouping
             must be the base record's.
         optimizer: a ``torch.optim`` optimiser over (some of) ``fm``'s parameters, any param
             groups, whose step is proportional to its rate (SGD, Adam, AdamW for-loop, foreach
@@ -284,6 +285,7 @@ class FLeRM(StepController):
                 ).hexdigest()[:16],
             },
         )
+        fm = self.fm  # the wrapper under a torch.compile or DDP layer given as fm
         ProbePlan.of(warmup_samples, fm.samples, every, start_step)  # `every`, in any mode
         if len(self.optimizers) != 1:
             raise TypeError("FLeRM drives one optimiser: build one FLeRM per optimiser")

@@ -108,7 +108,8 @@ class Recorder(StepController):
     from an unknown value unless told how.
 
     Args:
-        fm: the wrapped base model (:func:`fslr_func.with_fslr`).
+        fm: the wrapped base model (:func:`fslr_func.with_fslr`), also under
+            ``torch.compile`` or ``DDP`` (:func:`~fslr_func.training.controller.fslr_module_of`).
         probe_batches: probe inputs (a tensor, a tuple of positional arguments or a dict of
             keyword arguments per item), separate from the training batches: an endless
             iterator, or a re-iterable such as a ``DataLoader`` (cycled,
@@ -180,6 +181,7 @@ class Recorder(StepController):
             log_fn=log_fn,
             config={"base_lr": base_lr, "feature_gains": bool(feature_gains)},
         )
+        fm = self.fm  # the wrapper under a torch.compile or DDP layer given as fm
         self.feature_gains = bool(feature_gains)
         if self.feature_gains:
             require_readout(fm, "Recorder(..., feature_gains=True)")

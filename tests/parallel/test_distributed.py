@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 import fslr_func as ff
 from fslr_func import distributed as fd
+from fslr_func.training.controller import fslr_module_of
 from fslr_func.training.wrapper import FSLRModule
 
 WORLD = 2
@@ -233,7 +234,8 @@ def _check_ddp_with_fslr(rank: int) -> None:
     # The other order, DDP around the wrapper, works too.
     fm2 = ff.with_fslr(_mlp(), distributed=True, samples=2)
     assert isinstance(fm2, fd.DistributedFSLRModule) and fm2.ddp is None
-    DistributedDataParallel(fm2)
+    around = DistributedDataParallel(fm2)
+    assert fslr_module_of(around) is fm2  # what Recorder and FLeRM drive when given it
 
 
 def _probe_stream(rows: int, seed: int) -> Iterator[Tensor]:

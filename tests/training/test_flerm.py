@@ -136,6 +136,28 @@ def per_tensor_record(
     return rec.record
 
 
+def test_recorder_and_flerm_take_a_compiled_wrapper() -> None:
+    # `fm = torch.compile(ff.with_fslr(model))`: fm.measure worked through the compiled
+    # module, but Recorder and FLeRM refused it ("fm must be a with_fslr(model) wrapper, got
+    # OptimizedModule"). They look through it, and give what the plain wrapper gives.
+    def run(compiled: bool) -> tuple[FSLRRecord, dict[str, float]]:
+        fm = build()
+        driven = torch.compile(fm, backend="eager") if compiled else fm
+        opt = torch.optim.Adam(fm.parameters(), lr=LR0)
+        rec = Recorder(driven, stream(3), warmup_samples=2, every=None)  # type: ignore[arg-type]
+        loop(fm, opt, rec, data(2, 2))
+        wide = build(width=32)
+        driven = torch.compile(wide, backend="eager") if compiled else wide
+        opt = torch.optim.Adam(wide.parameters(), lr=LR0)
+        flerm = FLeRM(driven, opt, rec.record, probe_batches=stream(4), warmup_samples=2)  # type: ignore[arg-type]
+        loop(wide, opt, flerm, data(5, 2))
+        return rec.record, flerm.lrs()
+
+    (rec, lrs), (rec_plain, lrs_plain) = run(compiled=True), run(compiled=False)
+    assert rec.to_dict() == rec_plain.to_dict()
+    assert lrs == lrs_plain and len(set(lrs.values())) > 1
+
+
 def test_per_tensor_base_rates_are_set_back_on_the_same_model() -> None:
     """Base: two groups (1e-2, 1e-3) under StepLR; FLeRM with one group restores each rate."""
     base = per_tensor_record(dtype=torch.float64, sched=True, every=2)
