@@ -150,8 +150,7 @@ class FLeRM(StepController):
 
     Args:
         fm: the wrapped scaled model (:func:`fslr_func.with_fslr`, also under ``torch.compile``
-            or ``DDP``); its estimator and grouping
-            must be the base record's.
+            or ``DDP``); its estimator and grouping must be the base record's.
         optimizer: a ``torch.optim`` optimiser over (some of) ``fm``'s parameters, any param
             groups, whose step is proportional to its rate (SGD, Adam, AdamW for-loop, foreach
             or fused, Adagrad, Adamax, RMSprop, Adafactor at a fixed rate...; the others are

@@ -46,7 +46,8 @@ def with_fslr(
     """Wrap ``model`` so that its optimiser steps can report function-space learning rates.
 
     Args:
-        model: any ``nn.Module``, a ``DistributedDataParallel`` one, or one sharded with
+        model: any ``nn.Module``, a ``DistributedDataParallel`` one (also compiled:
+            ``torch.compile(DDP(model))``), or one sharded with
             FSDP2's ``fully_shard`` (DTensor parameters; docs/distributed.md).
         estimator: ``"kron"`` (default), ``"full"`` or ``"iid"``.
         beta: EMA decay across probes (bias-corrected).
