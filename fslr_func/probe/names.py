@@ -14,7 +14,9 @@ Records, FLeRM and ``FSLRModule.state_dict`` meet on bare names:
   ``blocks.0.module.weight``) keeps its name;
 - a record's names (no model to ask) are read by :func:`recorded_names`: as they are if the
   record shares a name with the model, else with one leading ``_orig_mod.`` or ``module.``
-  removed from each, repeatedly, until it does. Only *leading* prefixes are removed.
+  removed from each, repeatedly, until it does. Only *leading* prefixes are removed, except
+  the names that wrappers of submodules insert (:data:`SUBMODULE_WRAPPERS`), matched on both
+  sides wherever they stand.
 
 Examples:
     >>> block_index("model.layers.12.mlp.up_proj.weight"), block_index("lm_head.weight")
@@ -36,6 +38,7 @@ from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 __all__ = [
     "BLOCK_PATTERN",
+    "SUBMODULE_WRAPPERS",
     "WRAPPER_PREFIXES",
     "block_index",
     "block_role",
@@ -47,6 +50,12 @@ __all__ = [
 
 WRAPPER_PREFIXES = ("_orig_mod.", "module.")
 """The prefixes wrappers add: ``torch.compile``'s, then data parallelism's (and ``with_fslr``'s)."""
+
+SUBMODULE_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.")
+"""The names that wrappers of *submodules* insert inside a tensor's name: activation
+checkpointing's ``checkpoint_wrapper`` (``apply_activation_checkpointing``, the FSDP recipe)
+and ``torch.compile`` of a block assigned back (``blocks[0] = torch.compile(blocks[0])``).
+No module of a model's own is called either, so they are removed wherever they stand."""
 
 BLOCK_PATTERN = r"(?:^|\.)(?:blocks|layers|layer|h|block)\.(\d+)\."
 """Default block regex: group 1 is the block index (``blocks.3.``, ``layers.0.``, ``h.11.``)."""
@@ -152,6 +161,12 @@ def _strip_one(name: str) -> str:
     return name
 
 
+def _without_submodule_wrappers(name: str) -> str:
+    """``name`` without the :data:`SUBMODULE_WRAPPERS` segments, wherever they stand."""
+    dropped = {wrapper.rstrip(".") for wrapper in SUBMODULE_WRAPPERS}
+    return ".".join(part for part in name.split(".") if part not in dropped)
+
+
 def recorded_names(recorded: Iterable[str], model: Iterable[str]) -> dict[str, str]:
     """A record's tensor names read as the bare names of ``model``'s tensors.
 
@@ -160,7 +175,10 @@ def recorded_names(recorded: Iterable[str], model: Iterable[str]) -> dict[str, s
     until one is, or no name has such a prefix left (the policy then reports the mismatch).
     Names are compared whole, so a block inside a stack (``blocks.0.module.weight``) is never
     touched, and a record of a model whose own top-level submodule is called ``module`` keeps
-    that name when the scaled model has it too.
+    that name when the scaled model has it too. A recorded name that is still not the
+    model's is then matched without the :data:`SUBMODULE_WRAPPERS` segments on either side,
+    so a record of a model without activation-checkpoint wrappers drives one with them
+    (``layers.0._checkpoint_wrapped_module.attn.weight``), and the other way round.
 
     Args:
         recorded: the record's names (any wrapper's form).
@@ -177,12 +195,21 @@ def recorded_names(recorded: Iterable[str], model: Iterable[str]) -> dict[str, s
         {'_orig_mod.w': 'w', '_orig_mod.b': 'b'}
         >>> recorded_names(["module.w"], ["module.w"])  # a submodule called ``module``
         {'module.w': 'module.w'}
+        >>> recorded_names(["layers.0.w"], ["layers.0._checkpoint_wrapped_module.w"])
+        {'layers.0.w': 'layers.0._checkpoint_wrapped_module.w'}
     """
     names = list(recorded)
     known = set(model)
     read = list(names)
     while not known.intersection(read) and any(_strip_one(n) != n for n in read):
         read = [_strip_one(n) for n in read]
+    unwrapped_known: dict[str, list[str]] = {}
+    for name in known:
+        unwrapped_known.setdefault(_without_submodule_wrappers(name), []).append(name)
+    for i, name in enumerate(read):
+        same = unwrapped_known.get(_without_submodule_wrappers(name), [])
+        if name not in known and len(same) == 1:
+            read[i] = same[0]
     by_read: dict[str, list[str]] = {}
     for name, bare in zip(names, read, strict=True):
         by_read.setdefault(bare, []).append(name)
