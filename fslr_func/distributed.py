@@ -14,6 +14,7 @@ from .parallel.data_parallel import (  # noqa: F401 (re-exported through __all__
     DataParallelReduction,
     OmegaDraw,
     all_reduce_gradients,
+    data_parallel_layer,
     estimate,
     is_data_parallel,
     omega_span,

@@ -142,3 +142,18 @@ def test_no_import_cycles() -> None:
 def test_the_cycle_finder_finds_a_cycle() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert _cycle(graph) == ["a", "b", "c", "a"]
+
+
+def test_every_exported_name_exists() -> None:
+    """``from module import *`` works: each name of a module's ``__all__`` is defined there
+    (``fslr_func.distributed`` builds its ``__all__`` from another module's, and a name added
+    there only broke its star import and the documentation build)."""
+    import importlib
+
+    missing = [
+        f"{name}.{export}"
+        for name in _modules()
+        for export in getattr(importlib.import_module(name), "__all__", ())
+        if not hasattr(importlib.import_module(name), export)
+    ]
+    assert missing == []
