@@ -87,8 +87,9 @@ Case = Callable[[Context], Callable[[], object]]
 """Set-up of a case: gets the context, returns the callable that is timed."""
 
 
-def build(seq: int, attn: str = "sdpa") -> tuple[nn.Module, Tensor, Tensor]:
-    """The thin Llama, a batch of token ids and next-token targets (seeded)."""
+def build(seq: int, attn: str = "sdpa", device: str = "cpu") -> tuple[nn.Module, Tensor, Tensor]:
+    """The thin Llama, a batch of token ids and next-token targets (seeded on the CPU, then
+    moved to ``device``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -108,7 +109,7 @@ def build(seq: int, attn: str = "sdpa") -> tuple[nn.Module, Tensor, Tensor]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
     targets = torch.randint(0, VOCAB, (BATCH, seq), generator=g)
-    return model, ids, targets
+    return model.to(device), ids.to(device), targets.to(device)
 
 
 def logits(out: object) -> Tensor:
@@ -128,7 +129,8 @@ def make_delta(model: nn.Module, ids: Tensor, targets: Tensor, kind: str) -> dic
     if kind == "random":
         g = torch.Generator().manual_seed(2)
         return {
-            n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in zip(names, params, strict=True)
+            n: 1e-3 * torch.randn(p.shape, generator=g).to(p.device)
+            for n, p in zip(names, params, strict=True)
         }
     grads = torch.autograd.grad(loss_of(model, ids, targets), params)
     # Adam's first step: m_hat = g, v_hat = g^2, update = -lr * g / (|g| + eps).
@@ -144,7 +146,7 @@ def sequential(ctx: Context) -> None:
     stats = []
     for _ in range(ctx.samples):
         out = logits(ctx.model(ctx.ids)).reshape(-1)
-        omega = torch.randn(out.numel())
+        omega = torch.randn(out.numel(), device=out.device)
         phi = torch.dot(omega, out) / math.sqrt(out.numel())
         del omega
         grads = torch.autograd.grad(phi, wrt)

@@ -80,17 +80,19 @@ LABELS = {
 }
 
 
-def build(kind: str) -> tuple[nn.Module, Tensor, Callable[[Tensor], Tensor]]:
-    """Model, probe/training inputs and loss for the two benchmark configurations."""
+def build(kind: str, device: str = "cpu") -> tuple[nn.Module, Tensor, Callable[[Tensor], Tensor]]:
+    """Model, probe/training inputs and loss for the two benchmark configurations (built on
+    the CPU from seeds, then moved to ``device``)."""
     torch.manual_seed(0)
     if kind == "resmlp":
-        model: nn.Module = ResMLP(64, 10, width=512, depth=4)
-        x = torch.randn(256, 64)
-        y = torch.randint(0, 10, (256,))
+        model: nn.Module = ResMLP(64, 10, width=512, depth=4).to(device)
+        x = torch.randn(256, 64).to(device)
+        y = torch.randint(0, 10, (256,)).to(device)
         return model, x, lambda out: nn.functional.cross_entropy(out, y)
     model = Transformer(vocab_size=256, d_model=256, n_heads=4, d_ff=1024, depth=2, seq_len=128)
-    x = torch.randint(0, 256, (8, 128))
-    targets = torch.randint(0, 256, (8, 128))
+    model = model.to(device)
+    x = torch.randint(0, 256, (8, 128)).to(device)
+    targets = torch.randint(0, 256, (8, 128)).to(device)
     return (
         model,
         x,
@@ -100,13 +102,16 @@ def build(kind: str) -> tuple[nn.Module, Tensor, Callable[[Tensor], Tensor]]:
 
 def unit_delta(model: nn.Module) -> dict[str, Tensor]:
     g = torch.Generator().manual_seed(1)
-    return {n: 1e-3 * torch.randn(p.shape, generator=g) for n, p in model.named_parameters()}
+    return {
+        n: 1e-3 * torch.randn(p.shape, generator=g).to(p.device)
+        for n, p in model.named_parameters()
+    }
 
 
 def phi_gradients(model: nn.Module, x: Tensor) -> tuple[Tensor, ...]:
     """A fresh forward and the backward of ``phi = omega . F / sqrt(M)`` for one omega."""
     out = model(x).reshape(-1)
-    omega = torch.randn(out.numel())
+    omega = torch.randn(out.numel(), device=out.device)
     phi = (omega * out).sum() / math.sqrt(out.numel())
     return torch.autograd.grad(phi, list(model.parameters()))
 
@@ -124,9 +129,9 @@ def ceiling(samples: int, forward: float, backward: float) -> float:
     return samples * (forward + backward) / (forward + samples * backward)
 
 
-def cases(kind: str, samples: int) -> dict[str, Callable[[], object]]:
+def cases(kind: str, samples: int, device: str = "cpu") -> dict[str, Callable[[], object]]:
     """The timed callables of one model (see the module docstring)."""
-    model, x, loss_fn = build(kind)
+    model, x, loss_fn = build(kind, device)
     delta = unit_delta(model)
     fm = ff.with_fslr(model, samples=samples, seed=0)
     opt = torch.optim.SGD(fm.parameters(), lr=1e-6)
@@ -147,13 +152,17 @@ def cases(kind: str, samples: int) -> dict[str, Callable[[], object]]:
 
 
 def interleaved(
-    fns: dict[str, Callable[[], object]], rounds: int
+    fns: dict[str, Callable[[], object]],
+    rounds: int,
+    sync: Callable[[], None] = lambda: None,
 ) -> tuple[dict[str, list[float]], dict[str, list[int]]]:
     """Seconds and minor page faults per case and round; each round runs every case once,
-    the order rotated."""
+    the order rotated. ``sync`` waits for the device before a clock is read (a GPU runs
+    asynchronously: ``torch.cuda.synchronize``)."""
     for fn in fns.values():  # warm-up (torch.func's one-time set-up, the probe's cache)
         fn()
         fn()
+    sync()
     names = list(fns)
     times: dict[str, list[float]] = {n: [] for n in names}
     faults: dict[str, list[int]] = {n: [] for n in names}
@@ -162,6 +171,7 @@ def interleaved(
             before = minor_faults()
             start = time.perf_counter()
             fns[name]()
+            sync()
             times[name].append(time.perf_counter() - start)
             faults[name].append(minor_faults() - before)
     return times, faults
@@ -259,7 +269,8 @@ def verdict(ok: bool) -> str:
 
 def report_speed(
     kind: str, samples: int, times: dict[str, list[float]], faults: dict[str, list[int]]
-) -> None:
+) -> dict[str, float]:
+    """Print one model's table and ratios; return the ratios and the ceiling."""
     med = {n: statistics.median(t) for n, t in times.items()}
     rounds = len(times["estimate"])
     print(
@@ -285,6 +296,7 @@ def report_speed(
             f"  sequential / {label:<19} {ratio:5.2f}x  >= 1.3 {verdict(ratio >= 1.3)}"
             f"   {ratio / top:4.0%} of the ceiling, >= 90% {verdict(ratio >= 0.9 * top)}"
         )
+    return {"estimate": one_shot, "measure": wrapped, "ceiling": top}
 
 
 def report_split(kind: str, samples: int, rounds: int) -> None:
