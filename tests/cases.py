@@ -238,6 +238,19 @@ class Nested(nn.Module):
         return self.head(self.block(torch.tanh(self.inp(x))))
 
 
+class Scripted(nn.Module):
+    """A ``torch.jit.script``-ed hidden block and a traced readout inside an eager model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(4, 6)
+        self.block = torch.jit.script(nn.Sequential(nn.Linear(6, 6), nn.Tanh()))
+        self.head = torch.jit.trace(nn.Linear(6, 3), torch.zeros(1, 6))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.block(torch.tanh(self.inp(x))))
+
+
 class SparseEmbedding(nn.Module):
     """``Embedding(sparse=True)``: the probe's gradient is a sparse tensor."""
 
@@ -378,6 +391,7 @@ CASES: dict[str, Case] = {
     ),
     "compiled": Case(lambda: torch.compile(mlp(), backend="eager"), x_of(6, 4)),
     "compiled-submodule": Case(Nested, x_of(6, 4)),
+    "scripted-submodules": Case(Scripted, x_of(6, 4), unbiased=True),
     "embedding-sparse": Case(
         SparseEmbedding, lambda g: torch.randint(0, 10, (3, 5), generator=g), vmap=False
     ),

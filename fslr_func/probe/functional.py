@@ -369,6 +369,25 @@ def check_single_process(model: nn.Module) -> None:
         )
 
 
+def check_not_scripted(model: nn.Module) -> None:
+    """Refuse a TorchScript model: its parameters cannot be substituted.
+
+    ``torch.func.functional_call`` cannot run a scripted or traced module at other
+    parameters; a scripted *submodule* of an eager model runs (its attributes are swapped
+    from the eager parent).
+
+    Raises:
+        ValueError: ``model`` is a ``torch.jit.ScriptModule`` (``torch.jit.script`` or
+            ``torch.jit.trace``).
+    """
+    if isinstance(model, torch.jit.ScriptModule):
+        raise ValueError(
+            f"the model is a TorchScript module ({type(model).__name__}, from torch.jit.script "
+            "or torch.jit.trace): torch.func cannot run it at other parameters. Pass the eager "
+            "module you scripted; scripted submodules inside an eager model are fine"
+        )
+
+
 def evaluation_point(
     model: nn.Module,
     delta: Mapping[str, Tensor],
@@ -389,9 +408,10 @@ def evaluation_point(
     Raises:
         ValueError: a name in ``delta`` or ``params`` that is not a trainable parameter, or a
             shape that differs from the parameter's; a DDP or FSDP2 module
-            (:func:`check_single_process`).
+            (:func:`check_single_process`); a TorchScript module (:func:`check_not_scripted`).
     """
     if not checked:
+        check_not_scripted(model)
         check_single_process(model)
     tensors = ModuleTensors.of(model)
     check_delta(delta, tensors, finite=finite, structure=not checked)

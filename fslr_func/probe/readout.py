@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
@@ -35,7 +36,8 @@ class ReadoutFinder:
     readout weight that is tied to another tensor (GPT-2's head and embedding) is not given the
     row-independent estimator, since the independence argument needs the weight to act only
     in the readout; for the same reason a module called more than once in the forward is not
-    a readout.
+    a readout. TorchScript submodules take no hooks: they are run but never found (name a
+    scripted readout with ``readout=``).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -45,6 +47,10 @@ class ReadoutFinder:
 
     def __enter__(self) -> ReadoutFinder:
         for name, module in self.model.named_modules():
+            # TorchScript modules refuse hooks (and their children are TorchScript modules
+            # too): a scripted submodule runs as it is, and is never found as the readout.
+            if isinstance(module, torch.jit.ScriptModule):
+                continue
             if next(module.children(), None) is None:
                 self._handles.append(module.register_forward_hook(self._hook(name)))
         return self

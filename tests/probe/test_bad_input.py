@@ -391,6 +391,14 @@ def test_complex_parameters_are_refused_not_silently_cast() -> None:
     assert set(ff.estimate(model, x, real, samples=2)) == set(real)  # the real ones are fine
 
 
+def test_a_torchscript_model_is_refused_with_what_to_pass_instead() -> None:
+    model, x, delta = make()
+    scripted = torch.jit.script(model.eval())
+    for func in ("estimate", "exact", "probe", "observe"):
+        with pytest.raises(ValueError, match=r"TorchScript module.*Pass the eager module"):
+            call(func, scripted, x, delta)
+
+
 def test_a_bool_update_is_refused_and_an_integer_one_is_an_update() -> None:
     # A bool tensor (a mask) was read as an update of 1 wherever it was True.
     torch.manual_seed(0)
