@@ -10,14 +10,13 @@ reached was cut: an error names it and the fix. A tensor the forward never uses 
 head) is not an error: it really does not move the function. The walk and the bookkeeping are
 host-side only (no synchronisation with the device).
 
-Examples:
-    >>> import torch
-    >>> w = torch.ones(3, requires_grad=True)
-    >>> with CutFinder({"w": w}) as finder:
-    ...     with torch.no_grad():
-    ...         out = (w * 2).sum() + torch.ones(())
-    >>> finder.cut(out)
-    ['w']
+A tensor the forward detached that the output still reaches is partly cut: a view of part of
+it was detached (``torch.cat([w[:3].detach(), w[3:]])``), or the whole of it in one use and
+not in another. Both the probe's vjp and ``exact``'s jvp miss the detached use, so the FSLR
+reads too small, silently: :meth:`CutFinder.partly_cut` names such tensors for a warning
+(:func:`partly_cut_message`). A tensor used under ``torch.no_grad`` and also in the graph
+(a norm for scaling, spectral norm's power iteration) is not reported: forward mode sees
+through ``no_grad``, the probe does not (docs/limitations.md).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ __all__ = [
     "check_connected",
     "cut_error",
     "disconnected_output_error",
+    "partly_cut_message",
     "reaches",
 ]
 
@@ -72,7 +72,10 @@ class CutFinder(TorchFunctionMode):
     def __init__(self, tensors: Mapping[str, Tensor]) -> None:
         super().__init__()
         self._names = {id(t): n for n, t in tensors.items()}
+        self._views: dict[int, str] = {}
+        self._kept: list[Tensor] = []  # the views, alive while their ids are keys above
         self._cut_use: set[str] = set()
+        self._detached: set[str] = set()
 
     def __torch_function__(
         self,
@@ -82,17 +85,35 @@ class CutFinder(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if not torch.is_grad_enabled() or func is Tensor.detach:
-            for leaf in tree_flatten((args, kwargs))[0]:
-                name = self._names.get(id(leaf)) if isinstance(leaf, Tensor) else None
-                if name is not None:
-                    self._cut_use.add(name)
-        return func(*args, **kwargs)
+        named = {
+            name
+            for leaf in tree_flatten((args, kwargs))[0]
+            if isinstance(leaf, Tensor)
+            and (name := self._names.get(id(leaf), self._views.get(id(leaf)))) is not None
+        }
+        detach = func is Tensor.detach or func is torch.detach
+        if named and (detach or not torch.is_grad_enabled()):
+            self._cut_use |= named
+            if detach:
+                self._detached |= named
+        result = func(*args, **kwargs)
+        if len(named) == 1 and isinstance(result, Tensor) and result._is_view():
+            # A view of a probed tensor (a slice, a transpose): its later uses are the
+            # tensor's. Under forward AD a view's ``_base`` is not the dual tensor, so views
+            # are followed as they are made.
+            self._views[id(result)] = next(iter(named))
+            self._kept.append(result)
+        return result
 
     @property
     def used_without_grad(self) -> set[str]:
         """Probed tensors some operation used with gradients off, or detached."""
         return set(self._cut_use)
+
+    @property
+    def detached(self) -> set[str]:
+        """Probed tensors the forward detached, the whole of them or a view."""
+        return set(self._detached)
 
     def cut(self, output: Tensor) -> list[str]:
         """Probed tensors used with gradients off that the graph of ``output`` does not reach."""
@@ -100,6 +121,13 @@ class CutFinder(TorchFunctionMode):
             return []
         reached = _reached(output) if output.requires_grad else set()
         return sorted(n for i, n in self._names.items() if n in self._cut_use and i not in reached)
+
+    def partly_cut(self, output: Tensor) -> list[str]:
+        """Probed tensors the forward detached (the whole or a view) that ``output`` reaches."""
+        if not self._detached or not output.requires_grad:
+            return []
+        reached = _reached(output)
+        return sorted(n for i, n in self._names.items() if n in self._detached and i in reached)
 
 
 FIX = (
@@ -125,6 +153,17 @@ def cut_error(names: list[str]) -> ValueError:
     return ValueError(
         f"the forward cut {names} out of the autograd graph (used under torch.no_grad, "
         f".detach() or reentrant activation checkpointing). " + FIX
+    )
+
+
+def partly_cut_message(names: list[str]) -> str:
+    """The warning for tensors the forward detached in part and used in the graph too."""
+    return (
+        f"the forward detached {names} (or a view of part of them, w[:k].detach()) and also "
+        "used them in the autograd graph: the FSLR probe and exact read the movement of the "
+        "detached use as 0, so their FSLRs are too small. To freeze part of a tensor, "
+        "split it into two parameters and set requires_grad=False on one; if the detached "
+        "use does not change the output (a straight-through estimator's surrogate), ignore this"
     )
 
 

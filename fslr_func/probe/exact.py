@@ -27,7 +27,13 @@ from torch.autograd import forward_ad
 from torch.func import jvp
 
 from ..stats.statistics import scale_exponent
-from .connectivity import CutFinder, cut_error, disconnected_output_error, reaches
+from .connectivity import (
+    CutFinder,
+    cut_error,
+    disconnected_output_error,
+    partly_cut_message,
+    reaches,
+)
 from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
@@ -138,6 +144,8 @@ def exact(
             depends[name] = dual is not None or reaches(out, w)
             if not depends[name] and name in cuts.used_without_grad:
                 raise cut_error([name])
+            if depends[name] and name in cuts.detached:
+                warn_once(model, "partly-cut", partly_cut_message([name]))
             return out
 
         # J is linear: J dW = 2^-k J (2^k dW), with 2^k dW's largest entry in [1/2, 1), so

@@ -108,6 +108,45 @@ def test_exact_sees_through_no_grad() -> None:
     assert float(got["b.weight"]) > 0 and float(got["b.bias"]) > 0
 
 
+class DetachedView(nn.Module):
+    """Detaches a view of its weight: part of it (``part=True``) or the whole transpose."""
+
+    def __init__(self, part: bool) -> None:
+        super().__init__()
+        self.w, self.part = nn.Parameter(0.5 * torch.randn(6, 4)), part
+        self.head = nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = torch.cat([self.w[:3].detach(), self.w[3:]]) if self.part else self.w.t().detach().t()
+        return self.head(torch.tanh(x @ w.t()))
+
+
+@pytest.mark.parametrize("func", ["vmap", "loop", "autograd", "exact"])
+def test_a_detached_view_of_part_of_a_weight_warns_and_a_whole_one_is_an_error(
+    func: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Was: ``w[:3].detach()`` made the movement of those rows read 0 in the probe and in
+    ``exact`` with no word (a finite difference moves the output), and ``w.t().detach()``
+    read ``w``'s FSLR as 0 instead of refusing it: views of a probed tensor were not
+    followed."""
+    import fslr_func.probe.fallback as fallback
+
+    monkeypatch.setattr(fallback, "_warned", set())
+    torch.manual_seed(0)
+    x = torch.randn(6, 4)
+
+    def run(model: nn.Module) -> dict[str, Tensor]:
+        d = updates(model)
+        if func == "exact":
+            return ff.exact(model, x, d)
+        return ff.estimate(model, x, d, samples=2, strategy=func)  # type: ignore[arg-type]
+
+    with pytest.warns(RuntimeWarning, match=r"detached \['w'\].*read the movement"):
+        assert float(run(DetachedView(part=True))["w"]) > 0
+    with pytest.raises(ValueError, match=r"cut \['w'\]"):
+        run(DetachedView(part=False))
+
+
 @pytest.mark.parametrize("func", sorted(ONE_SHOT))
 def test_a_detached_output_fn_is_an_error(func: str) -> None:
     torch.manual_seed(0)
