@@ -158,16 +158,21 @@ def compiled_inner(model: nn.Module) -> tuple[nn.Module, str]:
 
 @contextlib.contextmanager
 def eager_submodules() -> Iterator[None]:
-    """Run ``torch.compile``-d submodules eagerly (``torch.compiler.set_stance("force_eager")``).
+    """Run compiled submodules unoptimised: ``torch.compile``-d ones eagerly
+    (``torch.compiler.set_stance("force_eager")``), TorchScript ones in the plain interpreter
+    (``torch.jit.optimized_execution(False)``).
 
     Dynamo cannot trace a compiled submodule under torch.func transforms; its original forward
-    computes the same function. A no-op unless torch.compile has been used in the process.
+    computes the same function. TorchScript's profiling executor replaces a scripted module's
+    graph after its first runs by one whose backward reads ``.data``, which fails under
+    ``vmap``; the interpreter runs the same ops. The dynamo stance is a no-op unless
+    torch.compile has been used in the process.
     """
     set_stance = getattr(torch.compiler, "set_stance", None)
-    if "torch._dynamo.eval_frame" not in sys.modules or set_stance is None:
-        yield
-        return
-    with set_stance("force_eager"):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.jit._fuser.optimized_execution(False))
+        if "torch._dynamo.eval_frame" in sys.modules and set_stance is not None:
+            stack.enter_context(set_stance("force_eager"))
         yield
 
 

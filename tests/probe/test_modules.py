@@ -236,3 +236,16 @@ def test_embedding_bag_probe_works_and_exact_says_it_cannot() -> None:
     assert all(bool(torch.isfinite(v)) and v > 0 for v in est.values())
     with pytest.raises(NotImplementedError, match="_embedding_bag_backward"):
         quiet(ff.exact, model, x, delta)
+
+
+def test_a_scripted_submodule_stays_vmappable_after_torchscript_optimises_it() -> None:
+    """Was: after two runs TorchScript's profiling executor swaps in a graph whose backward
+    reads ``.data``, which vmap refuses: a pinned ``strategy="vmap"`` raised and ``"auto"``
+    fell back to the loop, depending on how often the model had run before."""
+    model, x, delta = build(CASES["scripted-submodules"])
+    ref = probe(model, x, delta, samples=3, strategy="loop", generator=torch.Generator())
+    for _ in range(4):  # the executor optimises the scripted graphs after their second run
+        got = probe(model, x, delta, samples=3, strategy="vmap", generator=torch.Generator())
+        for n, stats in ref.log_stats.items():
+            torch.testing.assert_close(got.log_stats[n], stats, rtol=1e-10, atol=1e-12)
+    assert ff.exact(model, x, delta).keys() == delta.keys()
