@@ -169,6 +169,7 @@ def exact(
                 )
         else:
             tangent = _autograd_jvp(flat_output, primal, direction, backward_context)
+        tangent = tangent.detach()  # an input with requires_grad gives J dW a graph to it
         result[name] = torch.ldexp(tangent.to(torch.float64).square().mean().sqrt(), -k)
         if not torch.isfinite(result[name]):
             raise ValueError(

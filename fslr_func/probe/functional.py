@@ -308,8 +308,8 @@ def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
     """Check the probe batch's tensors: none empty, and (with ``finite``) no NaN or Inf.
 
     Raises:
-        ValueError: an input tensor with no elements (an empty batch), or a floating input
-            with NaN or Inf entries, named by its position or keyword.
+        ValueError: an input tensor on the meta device or with no elements (an empty batch),
+            or a floating input with NaN or Inf entries, named by its position or keyword.
     """
     args, kwargs = split_inputs(inputs)
     named = [(f"positional input {i}", a) for i, a in enumerate(args)]
@@ -318,6 +318,11 @@ def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
         for leaf in tree_flatten(value)[0]:
             if not isinstance(leaf, Tensor):
                 continue
+            if leaf.is_meta:
+                raise ValueError(
+                    f"{where} is on the meta device (a shape without data): the probe needs "
+                    "a real batch on the model's device"
+                )
             if leaf.numel() == 0 and leaf.dim() > 0:
                 raise ValueError(
                     f"the probe batch is empty: {where} has shape {tuple(leaf.shape)}; pass a "
@@ -393,6 +398,32 @@ def check_not_scripted(model: nn.Module) -> None:
         )
 
 
+def check_not_meta(model: nn.Module, **updates: Mapping[str, Tensor] | None) -> None:
+    """Refuse meta tensors (shapes without data) in the model or the updates.
+
+    Args:
+        model: the model, whose parameters and buffers are checked.
+        **updates: ``delta`` and ``params`` by the argument's name (``None``: not given).
+
+    Raises:
+        ValueError: naming the first few meta tensors and how to materialise them.
+    """
+    found = [n for n, t in model.state_dict(keep_vars=True).items() if t.is_meta]
+    found += [
+        f"{what}[{n!r}]"
+        for what, tensors in updates.items()
+        if isinstance(tensors, Mapping)  # a wrong kind is check_delta's error
+        for n, t in tensors.items()
+        if isinstance(t, Tensor) and t.is_meta
+    ]
+    if found:
+        raise ValueError(
+            f"{found[:3]}{' and others' if len(found) > 3 else ''} are on the meta device "
+            "(shapes without data), where no FSLR can be computed: materialise the model "
+            "first (model.to_empty(device=...) and initialise or load its weights)"
+        )
+
+
 def evaluation_point(
     model: nn.Module,
     delta: Mapping[str, Tensor],
@@ -413,10 +444,12 @@ def evaluation_point(
     Raises:
         ValueError: a name in ``delta`` or ``params`` that is not a trainable parameter, or a
             shape that differs from the parameter's; a DDP or FSDP2 module
-            (:func:`check_single_process`); a TorchScript module (:func:`check_not_scripted`).
+            (:func:`check_single_process`); a TorchScript module (:func:`check_not_scripted`);
+            meta tensors (:func:`check_not_meta`).
     """
     if not checked:
         check_not_scripted(model)
+        check_not_meta(model, delta=delta, params=params)
         check_single_process(model)
     tensors = ModuleTensors.of(model)
     check_delta(delta, tensors, finite=finite, structure=not checked)

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..probe.functional import Inputs, check_single_process
+from ..probe.functional import Inputs, check_not_meta, check_single_process
 from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
 from ..probe.readout import readout_module
@@ -178,9 +178,15 @@ class FSLRModule(nn.Module):
         return self.options.grouping
 
     def generator_for(self, device: torch.device) -> torch.Generator:
-        """The omega generator of ``device``, seeded with :attr:`seed` on first use."""
+        """The omega generator of ``device``, seeded with :attr:`seed` on first use.
+
+        Raises:
+            ValueError: ``device`` is the meta device (a model not yet materialised).
+        """
         key = str(device)
         if key not in self.generators:
+            if device.type == "meta":
+                check_not_meta(self.module)
             self.generators[key] = torch.Generator(device=device).manual_seed(self.seed)
         return self.generators[key]
 

@@ -399,6 +399,32 @@ def test_a_torchscript_model_is_refused_with_what_to_pass_instead() -> None:
             call(func, scripted, x, delta)
 
 
+def test_meta_tensors_are_refused_with_how_to_materialise_them() -> None:
+    """Was: "Tensor.item() cannot be called on meta tensors" (and "META device type not an
+    accelerator" from with_fslr), which says neither which tensor nor what to do."""
+    model, x, delta = make()
+    for func in ("estimate", "exact", "probe", "observe"):
+        with pytest.raises(ValueError, match="positional input 0 is on the meta device"):
+            call(func, model, x.to("meta"), delta)
+        meta_delta = {n: d.to("meta") for n, d in delta.items()}
+        with pytest.raises(ValueError, match=r"delta\['body.weight'\].*meta device"):
+            call(func, model, x, meta_delta)
+        with pytest.raises(ValueError, match=r"\['body.weight'.*meta device.*to_empty"):
+            call(func, copy.deepcopy(model).to("meta"), x.to("meta"), meta_delta)
+
+
+def test_an_input_that_requires_grad_changes_nothing_and_gets_no_grad() -> None:
+    """Was: ``exact`` returned FSLRs carrying an autograd graph back to such an input."""
+    model, x, delta = make()
+    xr = x.clone().requires_grad_(True)
+    for func in ("estimate", "exact"):
+        plain, got = call(func, model, x, delta), call(func, model, xr, delta)
+        for n, v in got.items():
+            assert v.grad_fn is None and not v.requires_grad, (func, n)
+            torch.testing.assert_close(v, plain[n], rtol=1e-6, atol=0)
+    assert xr.grad is None and xr.requires_grad
+
+
 def test_a_bool_update_is_refused_and_an_integer_one_is_an_update() -> None:
     # A bool tensor (a mask) was read as an update of 1 wherever it was True.
     torch.manual_seed(0)
