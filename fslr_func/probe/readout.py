@@ -36,8 +36,9 @@ class ReadoutFinder:
     readout weight that is tied to another tensor (GPT-2's head and embedding) is not given the
     row-independent estimator, since the independence argument needs the weight to act only
     in the readout; for the same reason a module called more than once in the forward is not
-    a readout. TorchScript submodules take no hooks: they are run but never found (name a
-    scripted readout with ``readout=``).
+    a readout, nor is one whose output a forward hook of the user's replaces (``o @ mix``).
+    TorchScript submodules take no hooks: they are run but never found (name a scripted
+    readout with ``readout=``).
     """
 
     def __init__(self, model: nn.Module) -> None:
@@ -52,7 +53,11 @@ class ReadoutFinder:
             if isinstance(module, torch.jit.ScriptModule):
                 continue
             if next(module.children(), None) is None:
-                self._handles.append(module.register_forward_hook(self._hook(name)))
+                # Before the user's hooks: a hook that returns a new tensor (mixing the
+                # outputs, a temperature) makes the model output another function of the
+                # module's rows, so the module is not the readout.
+                hook = module.register_forward_hook(self._hook(name), prepend=True)
+                self._handles.append(hook)
         return self
 
     def _hook(self, name: str) -> Callable[..., None]:
