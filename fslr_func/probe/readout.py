@@ -81,12 +81,18 @@ class ReadoutFinder:
         output on, and are not the readout. A module that ran more than once in the forward
         (one layer applied at every depth, a weight-shared recurrence) is not a readout either:
         its tensors act before the output too, so rows of its weight are not independent, and
-        the readout estimators would be biased (like a weight tied to another tensor).
+        the readout estimators would be biased (like a weight tied to another tensor). A
+        module without a ``weight`` or ``bias`` of its own (an activation) is not a readout.
         """
         found = next((name for name, t in self._seen if t is output), None)
         calls = sum(name == found for name, _ in self._seen)
         self._seen.clear()
-        return found if calls == 1 else None
+        if found is None or calls != 1:
+            return None
+        # An activation ending the model (``Sequential(Linear, Tanh)``), or a model computing
+        # the output from raw parameters of its own (``x @ self.w``, with no submodules), has
+        # no weight or bias for the readout estimators: there is no readout layer.
+        return found if _own_tensors(self.model.get_submodule(found)) else None
 
 
 def readout_module(model: nn.Module, name: str) -> nn.Module:

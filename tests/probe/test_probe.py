@@ -167,6 +167,44 @@ def test_a_layer_applied_more_than_once_is_not_a_readout(double):
     torch.testing.assert_close(est["lin.bias"], want, rtol=0.1, atol=0)
 
 
+class _RawParameters(torch.nn.Module):
+    """Only parameters of its own, no submodules: the model itself is the leaf module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = torch.nn.Parameter(torch.randn(3, 4, 6) / 2)
+        self.w2 = torch.nn.Parameter(torch.randn(6, 2) / 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(torch.einsum("nd,edh->nh", x, self.w1)) @ self.w2
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Tanh()),
+        _RawParameters,
+    ],
+    ids=["activation-last", "raw-parameters"],
+)
+def test_a_parameterless_leaf_computing_the_output_is_no_readout(make):
+    """Was: the module computing the output (a final Tanh, or the model itself when it has no
+    submodules) was taken as the readout, and ``estimate`` and ``with_fslr`` raised
+    "readout='1' is a Tanh without a weight or bias ... or pass readout='auto'" under that
+    very default."""
+    torch.manual_seed(0)
+    model, x = make().double(), torch.randn(6, 4, dtype=torch.float64)
+    delta = {n: 1e-2 * torch.randn_like(p) for n, p in model.named_parameters()}
+    r = probe(model, x, delta, samples=2)
+    assert r.readout_module is None and r.readout == {}
+    g = torch.Generator().manual_seed(0)
+    est = ff.estimate(model, x, delta, samples=2000, estimator="full", generator=g)
+    fm = ff.with_fslr(model, samples=2, seed=0)
+    assert set(fm.observe(x, delta)) == set(delta)
+    for n, want in ff.exact(model, x, delta).items():  # 2000 samples: ~3% sd of the FSLR
+        torch.testing.assert_close(est[n], want, rtol=0.12, atol=0, msg=n)
+
+
 def test_no_readout_when_the_output_is_not_a_layer_output():
     model = MLP()
     r = probe(model, torch.randn(3, 5), random_delta(model), output_fn=lambda o: 2 * o)
