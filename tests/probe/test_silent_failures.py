@@ -271,6 +271,25 @@ def test_an_output_that_overflows_is_an_error(func: str) -> None:
 
 
 @pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_logits_masked_with_minus_inf_say_how_to_measure_the_finite_entries(func: str) -> None:
+    """Invalid actions' logits set to -inf, as RL policies and vocabulary masks do: the
+    error says to measure the finite entries, and its advice works."""
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 5)), torch.randn(6, 4)
+    mask = torch.tensor([True, False, False, True, False])
+
+    def masked(out: Tensor) -> Tensor:
+        return out.masked_fill(mask, -math.inf)
+
+    with pytest.raises(ValueError, match=r"masked with -inf.*output_fn"):
+        ONE_SHOT[func](model, x, updates(model), output_fn=masked)
+    got = ONE_SHOT[func](
+        model, x, updates(model), output_fn=lambda out: masked(out).masked_fill(mask, 0)
+    )
+    assert all(torch.isfinite(v) and v > 0 for v in got.values())
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
 def test_a_zero_size_batch_is_an_error(func: str) -> None:
     model = nn.Linear(4, 3)
     with pytest.raises(ValueError, match=r"probe batch is empty: positional input 0 .*\(0, 4\)"):
