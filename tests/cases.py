@@ -263,6 +263,20 @@ class SparseEmbedding(nn.Module):
         return self.head(torch.tanh(self.emb(x)).mean(1))
 
 
+class FreqScaledEmbedding(nn.Module):
+    """``Embedding(scale_grad_by_freq=True)``: its backward divides a row's gradient by the
+    count of its token in the batch, so the probe runs it unscaled (a repeated token would
+    read too small)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(4, 5, scale_grad_by_freq=True)
+        self.head = nn.Linear(5, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(self.emb(x)).mean(1))
+
+
 class Recurrent(nn.Module):
     """LSTM and GRU (rank-1 and rank-2 weights of several gates)."""
 
@@ -394,6 +408,9 @@ CASES: dict[str, Case] = {
     "scripted-submodules": Case(Scripted, x_of(6, 4), unbiased=True),
     "embedding-sparse": Case(
         SparseEmbedding, lambda g: torch.randint(0, 10, (3, 5), generator=g), vmap=False
+    ),
+    "embedding-scale-grad-by-freq": Case(  # 18 tokens of 4: every batch repeats some
+        FreqScaledEmbedding, lambda g: torch.randint(0, 4, (3, 6), generator=g), unbiased=True
     ),
     "lstm-gru": Case(Recurrent, x_of(3, 6, 4)),
     "embedding-norms-mha": Case(TokenModel, lambda g: torch.randint(0, 10, (2, 5), generator=g)),

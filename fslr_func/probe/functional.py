@@ -157,6 +157,38 @@ def compiled_inner(model: nn.Module) -> tuple[nn.Module, str]:
 
 
 @contextlib.contextmanager
+def unscaled_embedding_gradients(model: nn.Module) -> Iterator[None]:
+    """Run ``nn.Embedding``/``nn.EmbeddingBag`` layers with ``scale_grad_by_freq=False``.
+
+    With ``scale_grad_by_freq=True`` the backward divides each row's gradient by the count of
+    its token in the batch: the probe's vjp would not be ``J^T omega`` (a batch repeating
+    tokens read 0.41 of ``exact``). The forward is the same function either way; the flag
+    is restored on exit. ``F.embedding(..., scale_grad_by_freq=True)`` called directly is not
+    seen.
+
+    Examples:
+        >>> emb = nn.Embedding(3, 2, scale_grad_by_freq=True)
+        >>> with unscaled_embedding_gradients(emb):
+        ...     emb.scale_grad_by_freq
+        False
+        >>> emb.scale_grad_by_freq
+        True
+    """
+    scaled = [
+        m
+        for m in model.modules()
+        if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.scale_grad_by_freq
+    ]
+    for m in scaled:
+        m.scale_grad_by_freq = False
+    try:
+        yield
+    finally:
+        for m in scaled:
+            m.scale_grad_by_freq = True
+
+
+@contextlib.contextmanager
 def eager_submodules() -> Iterator[None]:
     """Run compiled submodules unoptimised: ``torch.compile``-d ones eagerly
     (``torch.compiler.set_stance("force_eager")``), TorchScript ones in the plain interpreter
@@ -473,7 +505,8 @@ def model_forward(
     """``model`` evaluated at ``tensors`` (raw output, before ``output_fn``).
 
     A ``torch.compile`` wrapper runs its original module (see :func:`compiled_inner`), and
-    compiled submodules run eagerly (:func:`eager_submodules`); ``forward_seed`` runs the
+    compiled submodules run eagerly (:func:`eager_submodules`), embeddings without
+    ``scale_grad_by_freq`` (:func:`unscaled_embedding_gradients`); ``forward_seed`` runs the
     forward under its own seeded RNG (see :func:`seeded_forward`). The forward gets copies of
     the input tensors, as buffers are copied: a forward that changes its input in place
     (``x.div_(255)``) would otherwise change the caller's probe batch, and every later
@@ -484,7 +517,12 @@ def model_forward(
     module, prefix = compiled_inner(model)
     if prefix:
         tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
-    with transformable_attention(), seeded_forward(forward_seed), eager_submodules():
+    with (
+        transformable_attention(),
+        seeded_forward(forward_seed),
+        eager_submodules(),
+        unscaled_embedding_gradients(module),
+    ):
         return functional_call(module, dict(tensors), args, kwargs, strict=False)
 
 
@@ -504,6 +542,7 @@ def substituted(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[Non
     with (
         transformable_attention(),
         eager_submodules(),
+        unscaled_embedding_gradients(module),
         _reparametrize_module(module, state, tie_weights=True, strict=False),
     ):
         yield
