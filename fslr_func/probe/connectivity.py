@@ -16,7 +16,9 @@ not in another. Both the probe's vjp and ``exact``'s jvp miss the detached use, 
 reads too small, silently: :meth:`CutFinder.partly_cut` names such tensors for a warning
 (:func:`partly_cut_message`). A tensor used under ``torch.no_grad`` and also in the graph
 (a norm for scaling, spectral norm's power iteration) is not reported: forward mode sees
-through ``no_grad``, the probe does not (docs/limitations.md).
+through ``no_grad``, the probe does not (docs/limitations.md). Gradient hooks registered on
+tensors during the forward (``Tensor.register_hook``) are counted, for a warning
+(:data:`HOOK_WARNING`): the probe's backward runs them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = [
     "FIX",
+    "HOOK_WARNING",
     "CutFinder",
     "check_connected",
     "cut_error",
@@ -76,6 +79,8 @@ class CutFinder(TorchFunctionMode):
         self._kept: list[Tensor] = []  # the views, alive while their ids are keys above
         self._cut_use: set[str] = set()
         self._detached: set[str] = set()
+        self.gradient_hooks = 0
+        """Calls of ``Tensor.register_hook`` during the forward (see :data:`HOOK_WARNING`)."""
 
     def __torch_function__(
         self,
@@ -92,6 +97,7 @@ class CutFinder(TorchFunctionMode):
             and (name := self._names.get(id(leaf), self._views.get(id(leaf)))) is not None
         }
         detach = func is Tensor.detach or func is torch.detach
+        self.gradient_hooks += func is Tensor.register_hook
         if named and (detach or not torch.is_grad_enabled()):
             self._cut_use |= named
             if detach:
@@ -154,6 +160,17 @@ def cut_error(names: list[str]) -> ValueError:
         f"the forward cut {names} out of the autograd graph (used under torch.no_grad, "
         f".detach() or reentrant activation checkpointing). " + FIX
     )
+
+
+HOOK_WARNING = (
+    "the forward registers gradient hooks on its tensors (Tensor.register_hook): the FSLR "
+    "probe's backward runs them, so a hook that changes the gradient (scaling, clipping, "
+    "reversing it) makes the FSLRs of the tensors before it wrong by that change (a hook "
+    "scaling by 0.1 read 0.1 of exact); exact (forward mode) does not run them. Register "
+    "the hook as a module backward hook (register_full_backward_hook), which the probe "
+    "leaves out, or ignore this if the hooks only observe"
+)
+"""The warning for ``Tensor.register_hook`` inside the forward."""
 
 
 def partly_cut_message(names: list[str]) -> str:

@@ -189,6 +189,41 @@ def unscaled_embedding_gradients(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def backward_hooks_off(model: nn.Module) -> Iterator[None]:
+    """Run ``model``'s forward without its modules' backward hooks (and the global ones).
+
+    A backward hook that returns a new gradient (scaling, clipping, reversing it) makes the
+    probe's vjp something other than ``J^T omega``: ``register_full_backward_hook(lambda m,
+    gi, go: (gi[0] * 0.1,))`` read 0.1 of ``exact`` for every tensor before the module,
+    silently. Module backward hooks are attached to the graph during the forward, so a
+    forward without them gives a backward without them; they are restored on exit.
+    ``Tensor.register_hook`` inside the forward is not removed (see
+    :mod:`fslr_func.probe.connectivity`, which warns of it).
+
+    Examples:
+        >>> layer = nn.Linear(2, 2)
+        >>> _ = layer.register_full_backward_hook(lambda m, gi, go: None)
+        >>> with backward_hooks_off(layer):
+        ...     len(layer._backward_hooks)
+        0
+        >>> len(layer._backward_hooks)
+        1
+    """
+    from torch.nn.modules import module as module_globals
+
+    hooks = [module_globals._global_backward_hooks, module_globals._global_backward_pre_hooks]
+    hooks += [d for m in model.modules() for d in (m._backward_hooks, m._backward_pre_hooks)]
+    saved = [(d, dict(d)) for d in hooks if d]
+    for d, _ in saved:
+        d.clear()
+    try:
+        yield
+    finally:
+        for d, kept in saved:
+            d.update(kept)
+
+
+@contextlib.contextmanager
 def eager_submodules() -> Iterator[None]:
     """Run compiled submodules unoptimised: ``torch.compile``-d ones eagerly
     (``torch.compiler.set_stance("force_eager")``), TorchScript ones in the plain interpreter
@@ -506,7 +541,8 @@ def model_forward(
 
     A ``torch.compile`` wrapper runs its original module (see :func:`compiled_inner`), and
     compiled submodules run eagerly (:func:`eager_submodules`), embeddings without
-    ``scale_grad_by_freq`` (:func:`unscaled_embedding_gradients`); ``forward_seed`` runs the
+    ``scale_grad_by_freq`` (:func:`unscaled_embedding_gradients`) and modules without their
+    backward hooks (:func:`backward_hooks_off`); ``forward_seed`` runs the
     forward under its own seeded RNG (see :func:`seeded_forward`). The forward gets copies of
     the input tensors, as buffers are copied: a forward that changes its input in place
     (``x.div_(255)``) would otherwise change the caller's probe batch, and every later
@@ -522,6 +558,7 @@ def model_forward(
         seeded_forward(forward_seed),
         eager_submodules(),
         unscaled_embedding_gradients(module),
+        backward_hooks_off(module),
     ):
         return functional_call(module, dict(tensors), args, kwargs, strict=False)
 
@@ -543,6 +580,7 @@ def substituted(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[Non
         transformable_attention(),
         eager_submodules(),
         unscaled_embedding_gradients(module),
+        backward_hooks_off(module),
         _reparametrize_module(module, state, tie_weights=True, strict=False),
     ):
         yield

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 from torch.func import vjp, vmap
 
 from ..stats.estimator import ReadoutRole, grouped_shape
-from .connectivity import CutFinder, check_connected, partly_cut_message
+from .connectivity import HOOK_WARNING, CutFinder, check_connected, partly_cut_message
 from .fallback import first_line, warn_once
 from .forward_cache import KnownForward, known, probe_signature, remember
 from .functional import (
@@ -300,6 +300,8 @@ def prepare_vjp(
         partly = cuts.partly_cut(out)
         if partly:
             warn_once(model, "partly-cut", partly_cut_message(partly))
+        if cuts.gradient_hooks:
+            warn_once(model, "tensor-hook", HOOK_WARNING)
         if finder is not None:
             found.append(finder.find(out))
         out_shape.append(out.shape)

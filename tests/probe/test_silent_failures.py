@@ -147,6 +147,62 @@ def test_a_detached_view_of_part_of_a_weight_warns_and_a_whole_one_is_an_error(
         run(DetachedView(part=False))
 
 
+@pytest.mark.parametrize("strategy", ["vmap", "loop", "autograd"])
+def test_module_backward_hooks_that_change_gradients_are_left_out_of_the_probe(
+    strategy: Any,
+) -> None:
+    """Was: a backward hook scaling the gradient by 0.1 made every tensor before it read 0.1
+    of ``exact`` (and a full backward hook made vmap fail over to plain autograd). The
+    probe's forwards run without module backward hooks; the model keeps them."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 3)).double()
+    calls: list[str] = []
+
+    def scale(m: nn.Module, gi: Any, go: Any) -> tuple[Tensor]:
+        calls.append("full")
+        return (gi[0] * 0.1,)
+
+    def scale_pre(m: nn.Module, go: Any) -> tuple[Tensor]:
+        calls.append("pre")
+        return (go[0] * 0.1,)
+
+    model[1].register_full_backward_hook(scale)
+    model[2].register_full_backward_pre_hook(scale_pre)
+    x, delta = torch.randn(5, 4, dtype=torch.float64), updates(model)
+    g = torch.Generator().manual_seed(0)
+    est = ff.estimate(
+        model, x, delta, samples=2000, estimator="full", generator=g, strategy=strategy
+    )
+    for n, want in ff.exact(model, x, delta).items():  # 2000 samples: ~3% sd of the FSLR
+        torch.testing.assert_close(est[n], want, rtol=0.12, atol=0, msg=n)
+    assert calls == []
+    model(x).sum().backward()  # the model keeps its hooks
+    assert calls == ["pre", "full"]
+
+
+def test_a_tensor_hook_registered_in_the_forward_is_warned_of(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import fslr_func.probe.fallback as fallback
+
+    class Hooked(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+        def forward(self, x: Tensor) -> Tensor:
+            h = torch.tanh(self.a(x))
+            if h.requires_grad:
+                h.register_hook(lambda grad: grad * 0.1)
+            return self.b(h)
+
+    monkeypatch.setattr(fallback, "_warned", set())
+    torch.manual_seed(0)
+    model, x = Hooked(), torch.randn(6, 4)
+    with pytest.warns(RuntimeWarning, match=r"Tensor\.register_hook.*read 0\.1 of exact"):
+        ff.estimate(model, x, updates(model), samples=2)
+
+
 @pytest.mark.parametrize("func", sorted(ONE_SHOT))
 def test_a_detached_output_fn_is_an_error(func: str) -> None:
     torch.manual_seed(0)
