@@ -10,20 +10,21 @@ reached was cut: an error names it and the fix. A tensor the forward never uses 
 head) is not an error: it really does not move the function. The walk and the bookkeeping are
 host-side only (no synchronisation with the device).
 
-A tensor the forward detached that the output still reaches is partly cut: a view of part of
-it was detached (``torch.cat([w[:3].detach(), w[3:]])``), or the whole of it in one use and
-not in another. Both the probe's vjp and ``exact``'s jvp miss the detached use, so the FSLR
-reads too small, silently: :meth:`CutFinder.partly_cut` names such tensors for a warning
-(:func:`partly_cut_message`). A tensor used under ``torch.no_grad`` and also in the graph
-(a norm for scaling, spectral norm's power iteration) is not reported: forward mode sees
-through ``no_grad``, the probe does not (docs/limitations.md). Gradient hooks registered on
+A tensor used out of the graph that the output still reaches is partly cut, and
+:meth:`CutFinder.partly_cut` names it for one warning (:func:`partly_cut_message`): a view of
+part of it was detached (``torch.cat([w[:3].detach(), w[3:]])``), or the whole of it in one
+use and not in another, which both the probe's vjp and ``exact``'s jvp miss (the FSLR reads
+too small); or it was used under ``torch.no_grad`` as well (``w / w.norm()`` with the norm
+under ``no_grad``), which the probe misses and forward mode sees. Parametrization originals
+are left out of the second kind: spectral norm's power iteration runs under ``no_grad`` by
+torch's own convention. Gradient hooks registered on
 tensors during the forward (``Tensor.register_hook``) are counted, for a warning
 (:data:`HOOK_WARNING`): the probe's backward runs them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -128,12 +129,20 @@ class CutFinder(TorchFunctionMode):
         reached = _reached(output) if output.requires_grad else set()
         return sorted(n for i, n in self._names.items() if n in self._cut_use and i not in reached)
 
-    def partly_cut(self, output: Tensor) -> list[str]:
-        """Probed tensors the forward detached (the whole or a view) that ``output`` reaches."""
-        if not self._detached or not output.requires_grad:
-            return []
+    def partly_cut(self, output: Tensor) -> tuple[list[str], list[str]]:
+        """Probed tensors used out of the graph that the graph of ``output`` still reaches.
+
+        Returns:
+            Those the forward detached (the whole or a view), and those it used under
+            ``torch.no_grad`` only, leaving out the originals of parametrizations (spectral
+            norm's power iteration, which torch's own gradients ignore too).
+        """
+        if not self._cut_use or not output.requires_grad:
+            return [], []
         reached = _reached(output)
-        return sorted(n for i, n in self._names.items() if n in self._detached and i in reached)
+        both = sorted(n for i, n in self._names.items() if n in self._cut_use and i in reached)
+        no_grad = [n for n in both if n not in self._detached and ".parametrizations." not in n]
+        return [n for n in both if n in self._detached], no_grad
 
 
 FIX = (
@@ -173,14 +182,26 @@ HOOK_WARNING = (
 """The warning for ``Tensor.register_hook`` inside the forward."""
 
 
-def partly_cut_message(names: list[str]) -> str:
-    """The warning for tensors the forward detached in part and used in the graph too."""
-    return (
-        f"the forward detached {names} (or a view of part of them, w[:k].detach()) and also "
-        "used them in the autograd graph: the FSLR probe and exact read the movement of the "
-        "detached use as 0, so their FSLRs are too small. To freeze part of a tensor, "
-        "split it into two parameters and set requires_grad=False on one; if the detached "
-        "use does not change the output (a straight-through estimator's surrogate), ignore this"
+def partly_cut_message(detached: Sequence[str], no_grad: Sequence[str] = ()) -> str:
+    """The warning for tensors the forward used both in and out of the autograd graph."""
+    parts = []
+    if detached:
+        parts.append(
+            f"the forward detached {list(detached)} (or a view of part of them, w[:k].detach()) "
+            "and also used them in the autograd graph: the FSLR probe and exact read the "
+            "movement of the detached use as 0, so their FSLRs are too small. To freeze part "
+            "of a tensor, split it into two parameters and set requires_grad=False on one"
+        )
+    if no_grad:
+        parts.append(
+            f"the forward used {list(no_grad)} under torch.no_grad and also in the autograd graph: "
+            "the FSLR probe sees only the path with gradients, while exact (forward mode) "
+            "sees through torch.no_grad, so the two disagree (a weight divided by its norm "
+            "taken under no_grad read 2.2x exact). Compute that use with gradients"
+        )
+    return "; ".join(parts) + (
+        ". If the cut use does not change the output (a logged statistic, a "
+        "straight-through estimator's surrogate), ignore this"
     )
 
 

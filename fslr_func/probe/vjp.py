@@ -297,9 +297,9 @@ def prepare_vjp(
             )
             out = as_output_tensor(raw, options.output_fn)
         check_connected(out, cuts)
-        partly = cuts.partly_cut(out)
-        if partly:
-            warn_once(model, "partly-cut", partly_cut_message(partly))
+        detached, no_grad = cuts.partly_cut(out)
+        if detached or no_grad:
+            warn_once(model, "partly-cut", partly_cut_message(detached, no_grad))
         if cuts.gradient_hooks:
             warn_once(model, "tensor-hook", HOOK_WARNING)
         if finder is not None:

@@ -147,6 +147,33 @@ def test_a_detached_view_of_part_of_a_weight_warns_and_a_whole_one_is_an_error(
         run(DetachedView(part=False))
 
 
+class NormedUnderNoGrad(nn.Module):
+    """Divides the head's output by its weight's norm, taken under ``torch.no_grad``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        with torch.no_grad():
+            norm = self.b.weight.norm()
+        return self.b(torch.tanh(self.a(x))) / norm
+
+
+def test_a_weight_used_under_no_grad_and_in_the_graph_warns_that_exact_disagrees(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Was silent: an update along ``b.weight`` moves the output only through the norm,
+    which the probe cannot see (it read 2.2x exact, which matches a finite difference)."""
+    import fslr_func.probe.fallback as fallback
+
+    monkeypatch.setattr(fallback, "_warned", set())
+    torch.manual_seed(0)
+    model, x = NormedUnderNoGrad(), torch.randn(6, 4)
+    with pytest.warns(RuntimeWarning, match=r"used \['b\.weight'\] under torch\.no_grad"):
+        ff.estimate(model, x, updates(model), samples=2)
+
+
 @pytest.mark.parametrize("strategy", ["vmap", "loop", "autograd"])
 def test_module_backward_hooks_that_change_gradients_are_left_out_of_the_probe(
     strategy: Any,
