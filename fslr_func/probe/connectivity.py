@@ -17,9 +17,22 @@ use and not in another, which both the probe's vjp and ``exact``'s jvp miss (the
 too small); or it was used under ``torch.no_grad`` as well (``w / w.norm()`` with the norm
 under ``no_grad``), which the probe misses and forward mode sees. Parametrization originals
 are left out of the second kind: spectral norm's power iteration runs under ``no_grad`` by
-torch's own convention. Gradient hooks registered on
-tensors during the forward (``Tensor.register_hook``) are counted, for a warning
-(:data:`HOOK_WARNING`): the probe's backward runs them.
+torch's own convention. Gradient hooks registered on tensors during the forward
+(``Tensor.register_hook``) are counted, for a warning (:data:`HOOK_WARNING`): the probe's
+backward runs them.
+
+Examples:
+    >>> import torch
+    >>> w = torch.ones(3, requires_grad=True)
+    >>> with CutFinder({"w": w}) as finder:
+    ...     with torch.no_grad():
+    ...         out = (w * 2).sum() + torch.ones(())
+    >>> finder.cut(out)
+    ['w']
+    >>> with CutFinder({"w": w}) as finder:
+    ...     out = torch.cat([w[:1].detach(), w[1:]]).sum()
+    >>> finder.partly_cut(out)
+    (['w'], [])
 """
 
 from __future__ import annotations
