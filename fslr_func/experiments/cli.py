@@ -155,7 +155,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--modes",
         type=check_modes_type,
         default=("standard", "flerm"),
-        help="standard, mup and/or flerm, comma-separated (default: standard,flerm)",
+        help="standard, mup, flerm and/or features (FLeRM with match='features'), "
+        "comma-separated (default: standard,flerm)",
     )
     check.add_argument(
         "--every",
