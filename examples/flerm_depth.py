@@ -8,7 +8,7 @@ block ``m`` is shared by the 4 deep blocks replacing it, each targeting a quarte
 and readout layers map one to one). Static mode: rates set once, after the EMA warm-up at step
 0. The table shows the training loss averaged over the last 25 steps (the paper's metric).
 
-Run: ``python examples/flerm_depth.py`` (about a minute on one CPU core).
+Run: ``python examples/flerm_depth.py`` (a few seconds on one CPU core).
 """
 
 from __future__ import annotations

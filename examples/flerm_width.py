@@ -8,7 +8,7 @@ loss averaged over the last 25 steps (the paper's metric): with FLeRM the wide m
 curve over learning rates follows the base model's, so the base model's best learning rate
 transfers.
 
-Run: ``python examples/flerm_width.py`` (about a minute on one CPU core).
+Run: ``python examples/flerm_width.py`` (a few seconds on one CPU core).
 """
 
 from __future__ import annotations
