@@ -117,5 +117,9 @@ if __name__ == "__main__":
     parser.add_argument("--precision", default="bf16-mixed", help="Lightning's precision")
     cli = parser.parse_args()
     full, resumed = main(cli.out, cli.steps, cli.precision)
+    same = all(
+        torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters(), strict=True)
+    )
+    print(f"resumed run equals the uninterrupted one: {same}")
     rates = {k: f"{float(v):.2e}" for k, v in full.trainer.callback_metrics.items()}
     print(rates)
