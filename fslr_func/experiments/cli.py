@@ -186,9 +186,15 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
 def _config(args: argparse.Namespace, demo: bool) -> SweepConfig:
     given = {f: getattr(args, f) for f in SWEEP_OPTIONS if getattr(args, f) is not None}
     if demo:
-        return DEMO.replace(**given)
-    model = given.pop("model", "resmlp")
-    return SweepConfig.for_model(model, **given)
+        config = DEMO.replace(**given)
+    else:
+        model = given.pop("model", "resmlp")
+        config = SweepConfig.for_model(model, **given)
+    if "last" not in given and config.last > config.steps:
+        # `--steps 20` alone: the default --last (30) would refuse a run the user never asked
+        # about; average over every step instead (a --last given is checked as given)
+        config = config.replace(last=config.steps)
+    return config
 
 
 def _check_size(config: SweepConfig, parser: argparse.ArgumentParser) -> None:

@@ -107,6 +107,22 @@ def test_nearly_equal_scales_get_their_own_runs(
     assert "0 run(s) trained, 3 cached" in capsys.readouterr().out
 
 
+def test_steps_below_the_default_last_average_over_every_step() -> None:
+    """`fslr sweep --steps 20` alone ran into the default `--last 30` ("argument --last: must
+    be an integer in [1, steps=20], got 30"), an option the user never gave."""
+    from fslr_func.experiments.cli import _config, build_parser
+
+    parser = build_parser()[0]
+
+    def last(*argv: str) -> int:
+        return _config(parser.parse_args(list(argv)), argv[0] == "demo").validate().last
+
+    assert last("sweep", "--steps", "6") == 6
+    assert last("demo", "--steps", "20") == 20
+    assert last("sweep", "--steps", "6", "--last", "4") == 4
+    assert last("demo", "--steps", "100") == 30  # the default, where it fits
+
+
 @pytest.mark.parametrize(
     ("args", "named"),
     [
