@@ -134,6 +134,23 @@ def _warn_if_per_process(fm: FSLRModule) -> None:
         )
 
 
+def _warn_if_other_optimizer(base: FSLRRecord, optimizer: torch.optim.Optimizer) -> None:
+    """Warn where the base record names an optimiser class other than ``optimizer``'s: FSLRs
+    at learning rate 1 depend on the update rule, so an Adam record driving SGD sets rates that
+    transfer nothing (``meta["optimizer"]``; ``"A+B"`` for a Recorder over several)."""
+    recorded = base.meta.get("optimizer")
+    name = type(optimizer).__name__
+    if isinstance(recorded, str) and name not in recorded.split("+"):
+        warnings.warn(
+            f"FLeRM's base record was made with {recorded} and this optimiser is {name}: "
+            "FSLRs at learning rate 1 depend on the optimiser's update rule, so the rates set "
+            f"here do not transfer the base run's; record the base run with {name} (or, if "
+            f"the two are the same rule, set base.meta['optimizer'] = {name!r})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+
 class FLeRM(StepController):
     r"""Sets per-tensor learning rates of a scaled model so its FSLRs match a base record.
 
@@ -217,6 +234,10 @@ class FLeRM(StepController):
         ValueError: a base record that cannot drive this model (named: estimator, grouping,
             architecture, ``base_lr``), parameters in the optimiser that are not ``fm``'s, an
             optimiser whose step is not proportional to its rate, or invalid options.
+
+    Warns:
+        RuntimeWarning: the base record names another optimiser class
+            (``base.meta["optimizer"]``): FSLRs at learning rate 1 depend on the update rule.
     """
 
     kind = "FLeRM"
@@ -313,6 +334,7 @@ class FLeRM(StepController):
         if match == "features":
             self._warn_if_nothing_hidden()
         _warn_if_per_process(fm)
+        _warn_if_other_optimizer(base, self.optimizer)
 
     def _check_targets(self, step: int) -> None:
         """The targets at ``step`` exist for every tensor driven (else the policy's error).

@@ -216,7 +216,8 @@ class Recorder(StepController):
         meta = self.record.meta
         if meta["optimizer"] is None:
             described = optimizer_meta(optimizers[0])
-            meta["optimizer"] = described["optimizer"]
+            # one class name per optimiser ("Muon+AdamW"): FLeRM checks its own against them
+            meta["optimizer"] = "+".join(dict.fromkeys(type(o).__name__ for o in optimizers))
             meta["optimizer_hparams"] = described["optimizer_hparams"]
             if meta["base_lr"] is None:
                 meta["base_lr"] = self._first_lr(described["base_lr"])

@@ -106,6 +106,7 @@ class Boom(torch.optim.SGD):
         raise RuntimeError("boom")
 
 
+@pytest.mark.filterwarnings("ignore:FLeRM's base record was made")  # Boom on an Adam record
 def test_exception_in_step_leaves_groups_alone_and_records_nothing() -> None:
     base = base_record()
     fm = model(width=20)
@@ -141,6 +142,7 @@ def test_two_optimisers_are_one_recorded_step() -> None:
     with rec.attach():
         train(fm, [muon_like, adamw], 3)
     assert rec.record.steps == [0, 2] and rec.t == 3
+    assert rec.record.meta["optimizer"] == "SGD+AdamW"  # FLeRM checks each against it
     assert sorted(rec.record.names) == sorted(n for n, _ in fm.module.named_parameters())
     assert len(calls) == 2  # one probe round per recorded step, not one per optimiser
     assert rec.record.lrs_at(2)["0.weight"] == 0.05 and rec.record.lrs_at(2)["0.bias"] == 1e-2

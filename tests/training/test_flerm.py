@@ -284,6 +284,7 @@ OPTIMISERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
 }
 
 
+@pytest.mark.filterwarnings("ignore:FLeRM's base record was made")  # an Adam record, on purpose
 @pytest.mark.parametrize("name", list(OPTIMISERS))
 def test_every_optimiser_gets_finite_rates(base: FSLRRecord, name: str) -> None:
     fm = build(32, samples=4)
@@ -299,6 +300,7 @@ def test_every_optimiser_gets_finite_rates(base: FSLRRecord, name: str) -> None:
     assert all(torch.isfinite(p).all() for p in fm.parameters())
 
 
+@pytest.mark.filterwarnings("ignore:FLeRM's base record was made")  # AdamW on an Adam record
 def test_own_cosine_scheduler_scales_the_matched_rates(base: FSLRRecord) -> None:
     fm = build(32, samples=4)
     groups = [  # two groups with their own hyperparameters
@@ -481,6 +483,26 @@ def test_record_of_another_grouping_is_an_error(base: FSLRRecord) -> None:
     fm = build(grouping=by_kernel)
     opt = torch.optim.Adam(fm.parameters(), lr=LR0)
     FLeRM(fm, opt, custom, probe_batches=stream(3))  # callables compare by qualified name
+
+
+def test_a_record_of_another_optimiser_warns(base: FSLRRecord) -> None:
+    """An Adam record driving SGD set rates that transfer nothing, without a word (FSLRs at
+    learning rate 1 depend on the update rule): FLeRM warns, naming both."""
+    assert base.meta["optimizer"] == "Adam"
+    fm = build(32)
+    sgd = torch.optim.SGD(fm.parameters(), lr=LR0)
+    with pytest.warns(RuntimeWarning, match=r"made with Adam and this optimiser is SGD"):
+        FLeRM(fm, sgd, base, probe_batches=stream(3))
+    adam = torch.optim.Adam(fm.parameters(), lr=LR0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        FLeRM(fm, adam, base, probe_batches=stream(3))
+        several = FSLRRecord.from_dict(base.to_dict())
+        several.meta["optimizer"] = "SGD+Adam"  # a Recorder over two optimisers
+        FLeRM(fm, adam, several, probe_batches=stream(3))
+        unnamed = FSLRRecord.from_dict(base.to_dict())
+        unnamed.meta["optimizer"] = None  # a hand-made record: nothing to check
+        FLeRM(fm, sgd, unnamed, probe_batches=stream(3))
 
 
 def test_invalid_setups_are_errors(base: FSLRRecord) -> None:

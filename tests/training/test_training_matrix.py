@@ -168,6 +168,10 @@ def probes(dtype: torch.dtype = torch.float32) -> Iterator[torch.Tensor]:
         yield torch.randn(16, D_IN, generator=g).to(dtype)
 
 
+# one Adam record drives every optimiser of the matrix: what is tested is the update scaling
+pytestmark = pytest.mark.filterwarnings("ignore:FLeRM's base record was made")
+
+
 @pytest.fixture(scope="module")
 def base() -> FSLRRecord:
     fm = ff.with_fslr(net(8), samples=4, seed=0)
