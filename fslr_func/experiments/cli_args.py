@@ -328,8 +328,8 @@ SWEEP_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "--last",
         {
             "type": integer_type("last"),
-            "help": "a run's loss is the mean over its last LAST batches (default: 30, or "
-            "--steps if fewer)",
+            "help": "a run's loss is the mean over its last LAST batches (not given: all of "
+            "them when --steps is below the default)",
         },
     ),
     "samples": (
