@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
-from ..probe.functional import Inputs, check_not_meta, check_single_process
+from ..probe.functional import Inputs, check_not_meta, check_not_scripted, check_single_process
 from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
 from ..probe.readout import readout_module
@@ -113,6 +113,7 @@ class FSLRModule(nn.Module):
         check_estimator(estimator)
         self.options = ProbeOptions(**options)
         self.ema = EMA(beta)
+        check_not_scripted(model)  # at construction, not at the first measured step
         if reduction is None:  # a probe with a reduction spans processes (distributed.py)
             check_single_process(model)
         if self.options.readout not in (None, "auto"):

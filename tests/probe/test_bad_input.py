@@ -397,6 +397,8 @@ def test_a_torchscript_model_is_refused_with_what_to_pass_instead() -> None:
     for func in ("estimate", "exact", "probe", "observe"):
         with pytest.raises(ValueError, match=r"TorchScript module.*Pass the eager module"):
             call(func, scripted, x, delta)
+    with pytest.raises(ValueError, match=r"TorchScript module"):  # when built, not at a step
+        ff.with_fslr(scripted)
 
 
 def test_meta_tensors_are_refused_with_how_to_materialise_them() -> None:
