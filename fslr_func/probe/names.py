@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from torch import nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
@@ -45,6 +45,7 @@ __all__ = [
     "compile_block_pattern",
     "recorded_names",
     "short_list",
+    "short_lists",
     "unwrapped",
 ]
 
@@ -115,6 +116,17 @@ def short_list(names: Iterable[str], limit: int = 10) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     more = f", ... ({len(names) - limit} more)" if len(names) > limit else ""
     return f"[{shown}{more}]"
+
+
+def short_lists(*lists: tuple[str, Sequence[str]]) -> str:
+    """``"what: ['a', ...]; other: [...]"`` for the ``(what, names)`` pairs that have names:
+    the two sides of a name mismatch, never an empty ``[]``.
+
+    Examples:
+        >>> short_lists(("missing", ["v"]), ("extra", []))
+        "missing: ['v']"
+    """
+    return "; ".join(f"{what}: {short_list(names)}" for what, names in lists if names)
 
 
 def _wrapped(model: nn.Module, compiled: bool, data_parallel: bool) -> tuple[nn.Module, str] | None:

@@ -49,7 +49,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import SupportsFloat, TypeAlias, cast
 
-from ..probe.names import short_list
+from ..probe.names import short_lists
 from .block_sharing import equal, equal_all, share_blocks
 from .policy_base import DEFAULT_PATTERN, Policy, check_unique, identity
 
@@ -200,15 +200,10 @@ def apply(
     missing = [n for n in names if n not in result]
     extra = [str(n) for n in result if n not in name_set]
     if missing or extra:
-        parts = [
-            f"{what}: {short_list(listed)}"
-            for what, listed in (
-                ("scaled tensors without a target", missing),
-                ("names not in the scaled model", extra),
-            )
-            if listed
-        ]
-        raise ValueError(f"{who} returned wrong tensor names: {'; '.join(parts)}")
+        listed = short_lists(
+            ("scaled tensors without a target", missing), ("names not in the scaled model", extra)
+        )
+        raise ValueError(f"{who} returned wrong tensor names: {listed}")
     out: dict[str, float] = {}
     bad: list[str] = []
     for n in names:

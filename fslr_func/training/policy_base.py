@@ -16,7 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
-from ..probe.names import BLOCK_PATTERN, short_list
+from ..probe.names import BLOCK_PATTERN, short_list, short_lists
 
 __all__ = ["DEFAULT_PATTERN", "Policy", "check_total", "check_unique", "identity", "named"]
 
@@ -88,18 +88,14 @@ def identity(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, f
     scaled_set = set(scaled)
     extra = [n for n in base if n not in scaled_set]
     if missing or extra:
-        parts = [
-            f"{what}: {short_list(names)}"
-            for what, names in (
-                ("scaled tensors missing from the base record", missing),
-                ("base tensors absent from the scaled model", extra),
-            )
-            if names
-        ]
+        listed = short_lists(
+            ("scaled tensors missing from the base record", missing),
+            ("base tensors absent from the scaled model", extra),
+        )
         raise ValueError(
             "identity policy: the base record and the scaled model have different tensors: "
-            f"{'; '.join(parts)}. Is the record from another architecture? For depth scaling "
-            "use policy='share_blocks' or a custom callable."
+            f"{listed}. Is the record from another architecture? For depth scaling use "
+            "policy='share_blocks' or a custom callable."
         )
     return {n: float(base[n]) for n in scaled}
 
