@@ -52,7 +52,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..probe.functional import Inputs
-from ..probe.names import unwrapped
+from ..probe.names import short_list, unwrapped
 from .probe_schedule import ProbeFeed, ProbePlan
 from .rates import rates_in_force
 from .step_hooks import StepHooks, unwrap_optimizer, unwrap_scheduler
@@ -355,7 +355,7 @@ class StepController:
                 self._owed = 0
                 self._measured(m)
             else:
-                self._defer(n, "no parameter changed (a step skipped by a GradScaler?)")
+                self._defer(n, _unchanged_reason(m))
         else:
             with self._plain():
                 yield None
@@ -453,3 +453,14 @@ class StepController:
 
     def _load_own_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`_own_state` (checked before anything is changed)."""
+
+
+def _unchanged_reason(m: Measurement) -> str:
+    """Why a measured step changed no parameter, for the note that defers its probes."""
+    if m.rounded_away:
+        return (
+            f"no parameter changed: the updates of {short_list(list(m.rounded_away))} rounded "
+            "to nothing in their 16-bit dtype (a learning rate below the parameters' "
+            "precision: keep float32 parameters under autocast, or raise the rate)"
+        )
+    return "no parameter changed (a step skipped by a GradScaler?)"

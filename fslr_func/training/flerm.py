@@ -427,8 +427,10 @@ class FLeRM(StepController):
         if self.match == "features" and self.feature_factors is None:
             self.feature_factors = self._feature_factors(m)
         reading = m.read()  # the set point's one synchronisation
-        # tensors whose every probe was left out (not finite) are held
-        measured = {**reading.values, **dict.fromkeys(reading.left_out, math.nan)}
+        # tensors whose every probe was left out (not finite), or whose 16-bit update rounded
+        # to nothing (no FSLR to divide by: not 0), are held
+        unknown = reading.left_out + tuple(n for n in reading.rounded if n not in reading.values)
+        measured = {**reading.values, **dict.fromkeys(unknown, math.nan)}
         self._point = self._set_point(self.t, measured)
         self._rates = self._rates_at(self.t)
         self._before = dict(m.before)
@@ -603,7 +605,8 @@ def _report(
         warnings.warn(
             f"FLeRM step {step}: no finite FSLR estimate or rate, or a rate too large for "
             f"the parameter's dtype, for {list(matched.nonfinite[:10])} (every probe of this "
-            "set point was left out as not finite, the estimate overflowed, or the base "
+            "set point was left out as not finite, the estimate overflowed, a bfloat16/float16 "
+            "update rounded to nothing at a rate below the parameters' precision, or the base "
             "record's FSLR is absurd); they keep their previous learning rate",
             RuntimeWarning,
             stacklevel=6,

@@ -190,8 +190,9 @@ class BaseTargets:
             )
             raise ValueError(
                 f"the base record's FSLR is unknown for tensors FLeRM drives: {listed} (the base "
-                "run could not measure them: no finite probe, or they never moved, e.g. frozen "
-                f"or at rate 0); {fallbacks}; or freeze them in the scaled run too, or "
+                "run could not measure them: no finite probe, a 16-bit update that rounded to "
+                "nothing, or they never moved, e.g. frozen or at rate 0); "
+                f"{fallbacks}; or freeze them in the scaled run too, or "
                 "re-record the base"
             )
 

@@ -53,6 +53,10 @@ class Measurement:
         changed: per tensor, whether the step changed it (a 0-d bool on the device). A tensor
             the step left unchanged (no gradient, a step skipped by a ``GradScaler``) keeps
             its EMA; read as :attr:`moved`.
+        rounded: per 16-bit tensor (bfloat16, float16), whether the step left it unchanged
+            although its gradient is finite and not zero: its update rounded to nothing in
+            the parameter's dtype (a rate too small for its precision), which says nothing
+            of its FSLR; read as :attr:`rounded_away`.
         ema: the EMA the estimates come from (set when the block exits).
         inputs: the probe batches of this step (set when the block exits).
         reported: the wrapper's count of drops already warned about, per tensor (shared).
@@ -64,6 +68,7 @@ class Measurement:
     log_sq: dict[str, Tensor] = field(default_factory=dict)
     folded: dict[str, Tensor] = field(default_factory=dict)
     changed: dict[str, Tensor] = field(default_factory=dict)
+    rounded: dict[str, Tensor] = field(default_factory=dict)
     ema: EMA | None = None
     inputs: list[Inputs] = field(default_factory=list)
     reported: dict[str, int] = field(default_factory=dict)
@@ -129,6 +134,11 @@ class Measurement:
         self.lrs = lrs = {**self.lrs, **scaled.rates(module, self.lrs)}
         self.delta = updates.differences(current, self.before, lrs)
         self.changed = {n: _changed(self.delta[n]) for n in lrs}
+        self.rounded = {
+            n: _rounded_away(current[n], self.changed[n])
+            for n in lrs
+            if current[n].dtype.itemsize <= 2 and current[n].grad is not None
+        }
 
     def read(self) -> Reading:
         """This step's estimates on the host: one synchronisation (:func:`read_estimates`),
@@ -137,7 +147,7 @@ class Measurement:
             if self.ema is None:
                 return Reading({}, {}, (), ())
             self._reading = read_estimates(
-                self.log_sq, self.ema, self.folded, self.changed, self.reported
+                self.log_sq, self.ema, self.folded, self.changed, self.reported, self.rounded
             )
         return self._reading
 
@@ -159,6 +169,13 @@ class Measurement:
         statistics were not finite)."""
         return self.read().left_out
 
+    @property
+    def rounded_away(self) -> tuple[str, ...]:
+        """16-bit tensors with a finite, non-zero gradient that the step left unchanged: their
+        update rounded to nothing in the parameter's dtype, so the step says nothing of their
+        FSLR (not 0: they did not move because of the rate's size, not the function's)."""
+        return self.read().rounded
+
 
 def _warming_up(optimizers: Sequence[torch.optim.Optimizer]) -> bool:
     """Whether a scheduler drives the rates: some group starts from an ``initial_lr`` > 0."""
@@ -176,6 +193,16 @@ def _changed(delta: Tensor) -> Tensor:
     return (delta.amax() != 0) | (delta.amin() != 0)
 
 
+def _rounded_away(param: Tensor, changed: Tensor) -> Tensor:
+    """Whether ``param`` has a finite, non-zero gradient but the step left it unchanged: a
+    0-d bool on the device (its update rounded to nothing in the parameter's dtype)."""
+    assert param.grad is not None
+    largest = param.grad.detach().abs().amax()
+    if is_dtensor(largest):
+        largest = largest.full_tensor()  # type: ignore[attr-defined]
+    return ~changed & (largest > 0) & largest.isfinite()
+
+
 @dataclass(frozen=True)
 class Reading:
     """Estimates read on the host.
@@ -185,12 +212,15 @@ class Reading:
         values: the same as Python floats (read in the same synchronisation).
         moved: the tensors the step read changed (every tensor, outside a step).
         left_out: tensors that moved but none of whose probes could be folded in.
+        rounded: 16-bit tensors whose update rounded to nothing although their gradient was
+            finite and not zero (:attr:`Measurement.rounded_away`).
     """
 
     fslr: dict[str, Tensor]
     values: dict[str, float]
     moved: tuple[str, ...]
     left_out: tuple[str, ...]
+    rounded: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -204,6 +234,7 @@ class Row:
         folded: probes folded into its EMA at this step (or in all, outside a step).
         fslr: the FSLR estimate.
         changed: whether the step changed the tensor.
+        rounded: whether its update rounded to nothing (:attr:`Measurement.rounded`).
     """
 
     unknown: bool
@@ -212,10 +243,17 @@ class Row:
     folded: int
     fslr: float
     changed: bool
+    rounded: bool = False
 
     @classmethod
     def stack(
-        cls, log_sq: Tensor, ema: EMA, name: str, folded: Tensor | None, changed: Tensor | None
+        cls,
+        log_sq: Tensor,
+        ema: EMA,
+        name: str,
+        folded: Tensor | None,
+        changed: Tensor | None,
+        rounded: Tensor | None = None,
     ) -> Tensor:
         """The row's fields as one float64 tensor on the device, in field order."""
         dropped = ema.dropped[name]
@@ -227,15 +265,22 @@ class Row:
                 ema.counts[name] if folded is None else folded,
                 fslr_from_log(log_sq),
                 torch.ones_like(dropped) if changed is None else changed,
+                torch.zeros_like(dropped) if rounded is None else rounded,
             ]
         ).to(torch.float64)
 
     @classmethod
     def of(cls, values: list[float]) -> Row:
         """The row from its fields read on the host."""
-        unknown, dropped, last_dropped, folded, fslr, changed = values
+        unknown, dropped, last_dropped, folded, fslr, changed, rounded = values
         return cls(
-            bool(unknown), int(dropped), int(last_dropped), int(folded), float(fslr), bool(changed)
+            bool(unknown),
+            int(dropped),
+            int(last_dropped),
+            int(folded),
+            float(fslr),
+            bool(changed),
+            bool(rounded),
         )
 
 
@@ -245,6 +290,7 @@ def read_estimates(
     folded: Mapping[str, Tensor],
     changed: Mapping[str, Tensor],
     reported: dict[str, int],
+    rounded: Mapping[str, Tensor] | None = None,
 ) -> Reading:
     """``log_sq`` as FSLRs, after one synchronisation that finds and reports the drops.
 
@@ -254,6 +300,7 @@ def read_estimates(
         folded: per tensor, the probes folded in at this step (default: the EMA's counts).
         changed: per tensor, whether the step changed it (default: every tensor).
         reported: per tensor, the drops already reported; updated here.
+        rounded: per 16-bit tensor, whether its update rounded to nothing (default: none).
 
     Returns:
         The :class:`Reading`; tensors without a valid measurement are left out of its
@@ -262,7 +309,10 @@ def read_estimates(
     names = list(log_sq)
     if not names:
         return Reading({}, {}, tuple(changed), ())
-    stacked = [Row.stack(log_sq[n], ema, n, folded.get(n), changed.get(n)) for n in names]
+    rounded = rounded or {}
+    stacked = [
+        Row.stack(log_sq[n], ema, n, folded.get(n), changed.get(n), rounded.get(n)) for n in names
+    ]
     rows = {
         n: Row.of(values)
         for n, values in zip(
@@ -290,4 +340,5 @@ def read_estimates(
         values={n: rows[n].fslr for n in valid},
         moved=moved,
         left_out=tuple(n for n in moved if rows[n].folded == 0),
+        rounded=tuple(n for n in rounded if n in rows and rows[n].rounded),
     )

@@ -104,7 +104,8 @@ class Recorder(StepController):
     in that row, with a note; the run goes on. A tensor without any valid estimate yet is 0
     if it did not move the function (a zero update at a rate > 0: LoRA ``A`` while ``B = 0``)
     and *unknown* (``None``, ``null`` in JSON), never 0, if the run could not measure it
-    (every probe of it was not finite, or its rate was 0): FLeRM refuses to drive a tensor
+    (every probe of it was not finite, its rate was 0, or its bfloat16/float16 update
+    rounded to nothing although its gradient was not zero): FLeRM refuses to drive a tensor
     from an unknown value unless told how.
 
     Args:
@@ -260,11 +261,18 @@ class Recorder(StepController):
         # Without a valid estimate, a tensor whose probes were folded in (0/0: Z = 0) or whose
         # update at a rate > 0 was zero (LoRA A while B = 0) did not move the function: 0.
         # One that never had a finite probe, or only ever rate 0, is unknown (None), never 0.
+        # One whose update rounded to nothing in its 16-bit dtype did not move because of the
+        # rate's size, not the function's: unknown too.
         measured = set(moved) - {n.removeprefix(bare) for n in reading.left_out}
+        rounded = [n.removeprefix(bare) for n in reading.rounded]
         fslr: dict[str, float | None] = {
             n: values[n]
             if n in values
-            else (0.0 if n in measured or (n not in moved and lrs.get(n, 0.0) > 0) else None)
+            else (
+                0.0
+                if n in measured or (n not in moved and n not in rounded and lrs.get(n, 0.0) > 0)
+                else None
+            )
             for n in names
         }
         bad = [n for n, v in fslr.items() if v is not None and not math.isfinite(v)]
@@ -280,8 +288,12 @@ class Recorder(StepController):
         notes = {
             "did not move (frozen, no gradient or rate 0): their row keeps the previous "
             "estimate (unknown, None, if they have none and their rate is 0)": [
-                n for n in names if n not in moved_set
+                n for n in names if n not in moved_set and n not in rounded
             ],
+            "had a gradient but an update that rounded to nothing in their 16-bit dtype (the "
+            "learning rate is below the parameters' precision): their row keeps the previous "
+            "estimate (unknown, None, if they have none); keep float32 parameters (autocast) "
+            "or raise the rate": rounded,
             "were not trainable at the first recorded step and are not in the record": [
                 n for n in moved if n not in fslr
             ],
