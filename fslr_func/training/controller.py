@@ -461,6 +461,7 @@ def _unchanged_reason(m: Measurement) -> str:
         return (
             f"no parameter changed: the updates of {short_list(list(m.rounded_away))} rounded "
             "to nothing in their 16-bit dtype (a learning rate below the parameters' "
-            "precision: keep float32 parameters under autocast, or raise the rate)"
+            "precision: keep float32 parameters under autocast, or raise the rate; or the "
+            "optimiser's state overflowed after a huge gradient)"
         )
     return "no parameter changed (a step skipped by a GradScaler?)"

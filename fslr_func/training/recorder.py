@@ -290,10 +290,11 @@ class Recorder(StepController):
             "estimate (unknown, None, if they have none and their rate is 0)": [
                 n for n in names if n not in moved_set and n not in rounded
             ],
-            "had a gradient but an update that rounded to nothing in their 16-bit dtype (the "
-            "learning rate is below the parameters' precision): their row keeps the previous "
-            "estimate (unknown, None, if they have none); keep float32 parameters (autocast) "
-            "or raise the rate": rounded,
+            "had a finite non-zero gradient but did not change in their 16-bit dtype (an "
+            "update that rounded to nothing at a rate below the parameters' precision, or an "
+            "optimiser state that overflowed after a huge gradient): their row keeps the "
+            "previous estimate (unknown, None, if they have none); keep float32 parameters "
+            "(autocast) or raise the rate": rounded,
             "were not trainable at the first recorded step and are not in the record": [
                 n for n in moved if n not in fslr
             ],
