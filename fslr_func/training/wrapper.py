@@ -114,6 +114,12 @@ class FSLRModule(nn.Module):
         self.options = ProbeOptions(**options)
         self.ema = EMA(beta)
         check_not_scripted(model)  # at construction, not at the first measured step
+        if isinstance(unwrapped(model)[0], FSLRModule):
+            raise TypeError(
+                "the model is a with_fslr wrapper already: wrapping it again would probe it "
+                "twice under names prefixed 'module.module.'; use that wrapper, or wrap the "
+                "model inside it (fm.module)"
+            )
         if reduction is None:  # a probe with a reduction spans processes (distributed.py)
             check_single_process(model)
         if self.options.readout not in (None, "auto"):

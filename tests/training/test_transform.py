@@ -203,3 +203,15 @@ def test_a_warm_up_from_zero_skips_the_first_measurement_instead_of_stopping_the
         fm.measure(no_scheduler, torch.randn(8, 5)),
     ):
         pass
+
+
+def test_a_wrapper_is_not_wrapped_again() -> None:
+    """Was: with_fslr(with_fslr(net)) nested silently, its tensors named 'module.module.*'."""
+    fm = ff.with_fslr(nn.Linear(3, 2))
+    for again in (fm, torch.compile(fm)):
+        with pytest.raises(TypeError, match=r"with_fslr wrapper already.*fm\.module"):
+            ff.with_fslr(again)
+    assert [n for n, _ in ff.with_fslr(fm.module).named_parameters()] == [
+        "module.weight",
+        "module.bias",
+    ]
