@@ -146,5 +146,7 @@ if __name__ == "__main__":
     )
     print(f"resumed run equals the uninterrupted one: {same}")
     for entry in full.state.log_history:
+        if "loss" not in entry:  # the Trainer's closing summary (train_runtime, ...)
+            continue
         lrs = {k: f"{v:.2e}" for k, v in entry.items() if k.startswith("flerm_lr/")}
-        print(entry.get("step"), entry.get("loss"), dict(list(lrs.items())[:3]))
+        print(entry.get("step"), entry["loss"], dict(list(lrs.items())[:3]))
