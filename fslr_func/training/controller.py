@@ -17,7 +17,9 @@ for both, once:
   ``controller.attach()`` (the optimiser's step hooks, :mod:`fslr_func.training.step_hooks`);
 - the steps that cannot be measured, which are waited out: a probed step at which every
   learning rate is 0 (a warm-up from 0) or at which no parameter changed (a step skipped by a
-  ``GradScaler``) owes its probes to the next step, with a note the first time;
+  ``GradScaler``) owes its probes to the next step, with a note the first time; a *stall*,
+  probes owed for :meth:`StepController.stall_after` consecutive steps (the larger of 50 steps
+  and 5 probe intervals), warns once per stall, again after the run recovered and stalled anew;
 - warnings given once per cause, and the step counter and probe-batch count of the state.
 
 A subclass says what happens around the step through four hooks: :meth:`_prepare` (before,
@@ -72,6 +74,10 @@ LogFn = Callable[[int, dict[str, float]], None]
 """``log_fn(step, scalars)``: receives named scalars (``fslr/<tensor>``...) at a step."""
 
 _STATE_VERSION = 2
+_STALL_STEPS = 50
+"""A stall warns after at least this many consecutive steps with probes owed."""
+_STALL_PROBES = 5
+"""... and after at least this many probe intervals (:meth:`StepController.stall_after`)."""
 
 
 def optimizers_of(
@@ -283,6 +289,8 @@ class StepController:
         self._feed = ProbeFeed(probe_batches)
         self.t = 0
         self._owed = 0
+        self._stalled_since: int | None = None  # first step of the current run of deferrals
+        self._stall_noted = False
         self._hooks: StepHooks | None = None
         self._noted: set[str] = set()
         self._config: dict[str, Any] = {
@@ -353,6 +361,7 @@ class StepController:
                 yield m
             if m.moved:
                 self._owed = 0
+                self._stalled_since, self._stall_noted = None, False
                 self._measured(m)
             else:
                 self._defer(n, _unchanged_reason(m))
@@ -397,10 +406,42 @@ class StepController:
             )
         return [opt]
 
+    @property
+    def stall_after(self) -> int:
+        """Consecutive steps with probes owed after which a stall warns: the larger of 50
+        steps and 5 probe intervals (``every``; 50 steps when there are none).
+
+        A ``GradScaler`` skips a few steps in a row while it backs its scale off (one per
+        halving), and a step at rate 0 is a warm-up's first; 50 steps without a measurement
+        is none of these. Under a long probe interval a shorter gap costs no probe, so the
+        warning waits until 5 probes would have been taken.
+        """
+        every = self.plan.every or 0
+        return max(_STALL_STEPS, _STALL_PROBES * every)
+
     def _defer(self, n: int, why: str) -> None:
-        """Owe ``n`` probes to the next step that changes the weights."""
+        """Owe ``n`` probes to the next step that changes the weights; warn once per stall.
+
+        Counts steps only: whether the step moved is what :meth:`step` already read, so a
+        stall costs no further synchronisation with the device.
+        """
         self._owed = n
         self._note(why, self.deferral.format(kind=self.kind, t=self.t, why=why))
+        if self._stalled_since is None:
+            self._stalled_since = self.t
+        length = self.t - self._stalled_since + 1
+        if length >= self.stall_after and not self._stall_noted:
+            self._stall_noted = True
+            warnings.warn(
+                f"{self.kind}: no step has been measured for {length} steps (since step "
+                f"{self._stalled_since}, the latest: {why}); nothing is recorded or updated "
+                "until a step changes the weights. Likely causes: an optimiser state that "
+                "overflowed after a huge loss or gradient (Adam's second moment at inf freezes "
+                "every weight), a GradScaler that skips every step (inf or NaN gradients), a "
+                "learning rate of 0, or 16-bit parameters whose updates round to nothing",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _note(self, key: str, message: str) -> None:
         """Warn ``message`` the first time ``key`` comes up."""
@@ -425,6 +466,8 @@ class StepController:
             "config": dict(self._config),
             "t": self.t,
             "owed": self._owed,
+            "stalled_since": self._stalled_since,
+            "stall_noted": self._stall_noted,
             "probes_used": self._feed.used,
             "noted": sorted(self._noted),
             **self._own_state(),
@@ -444,6 +487,9 @@ class StepController:
         self._load_own_state(state)
         self.t = int(state["t"])
         self._owed = int(state.get("owed", 0))
+        since = state.get("stalled_since")
+        self._stalled_since = None if since is None else int(since)
+        self._stall_noted = bool(state.get("stall_noted", False))
         self._noted = set(state.get("noted", state.get("warned", ())))
         self._feed.skip(int(state["probes_used"]))
 

@@ -4,6 +4,7 @@ mid-run, param groups added later, optimisers over a subset, and options checked
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -261,3 +262,58 @@ def test_recorder_state_of_other_options_is_refused_and_options_checked_early() 
     other = torch.optim.SGD(fm.parameters(), lr=0.1)
     with pytest.raises(ValueError, match="scheduler must be a scheduler of this optimizer"):
         Recorder(fm, stream(), optimizer=opt, scheduler=torch.optim.lr_scheduler.StepLR(other, 1))
+
+
+def _stall_warnings(
+    ctl: object,
+    fm: ff.FSLRModule,
+    opt: torch.optim.Optimizer,
+    steps: range,
+    spike: int | None = None,
+    frozen: range = range(0),
+) -> list[tuple[int, str]]:
+    """Run ``steps`` through ``ctl``; the steps at which a stall warned, with the message."""
+    out = []
+    for t in steps:
+        opt.zero_grad()
+        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 + t), dtype=torch.float64)
+        (fm(x).square().mean() * (1e200 if t == spike else 1.0)).backward()
+        if t in frozen:
+            opt.zero_grad(set_to_none=True)  # no gradient: the step changes nothing
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with ctl.step():  # type: ignore[attr-defined]
+                opt.step()
+        out += [(t, str(w.message)) for w in seen if "no step has been measured" in str(w.message)]
+    return out
+
+
+def test_a_stalled_run_warns_once_per_stall_and_again_after_recovering() -> None:
+    # a 1e200 loss spike makes Adam's v infinite (float64): no weight moves again, every probe
+    # is deferred, and the record silently ended at the spike (the deferral note is given once)
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=4, every=2)
+    assert rec.stall_after == 50
+    warned = _stall_warnings(rec, fm, opt, range(80), spike=10)
+    assert rec.record.steps[-1] == 8
+    assert [t for t, _ in warned] == [59]  # the 50th step owing probes, once
+    assert "50 steps (since step 10" in warned[0][1] and "overflowed" in warned[0][1]
+    opt.state.clear()  # the run recovers ...
+    assert _stall_warnings(rec, fm, opt, range(80, 90)) == []
+    assert rec.record.steps[-5:] == [80, 82, 84, 86, 88]
+    # ... and a new stall (steps without gradients) warns again, counted from its own start
+    warned = _stall_warnings(rec, fm, opt, range(90, 160), frozen=range(95, 200))
+    assert [t for t, _ in warned] == [145]  # owed from step 96, the first probed one
+    state = rec.state_dict()
+    assert state["stalled_since"] == 96 and state["stall_noted"] is True
+
+
+def test_flerm_stall_waits_for_five_probe_intervals() -> None:
+    base = record(steps=4)
+    fm = model(width=20)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    flerm = ff.FLeRM(fm, opt, base, probe_batches=stream(2), mode="periodic", every=20)
+    assert flerm.stall_after == 100  # 5 x every=20 > 50
+    warned = _stall_warnings(flerm, fm, opt, range(130), frozen=range(5, 200))
+    assert [t for t, _ in warned] == [119]  # owed from the set point at 20
