@@ -17,6 +17,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
+from ..stats.checks import is_real
 from ..stats.estimator import Grouping
 
 __all__ = [
@@ -98,9 +99,7 @@ def is_learning_rate(value: object) -> bool:
         >>> [is_learning_rate(v) for v in (1e-3, 0, float("nan"), True, "0.1")]
         [True, False, False, False, False]
     """
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return False
-    return math.isfinite(value) and value > 0
+    return is_real(value) and float(value) > 0  # type: ignore[arg-type]
 
 
 def optimizer_meta(optimizer: Any) -> dict[str, Any]:

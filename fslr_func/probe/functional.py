@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map_only
 
+from ..stats.checks import is_integer
 from .names import unwrapped
 
 Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
@@ -138,10 +139,10 @@ def seeded_forward(seed: int | None) -> Iterator[None]:
     if seed is None:
         yield
         return
-    if not isinstance(seed, int) or isinstance(seed, bool):
+    if not is_integer(seed):
         raise TypeError(f"forward_seed must be None or an int, got {seed!r}")
     with torch.random.fork_rng():
-        torch.manual_seed(seed)
+        torch.manual_seed(int(seed))
         yield
 
 

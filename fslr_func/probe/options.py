@@ -23,6 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, TypedDict, get_args
 
+from ..stats.checks import integer, is_integer
 from ..stats.estimator import Grouping, check_grouping
 from .functional import OutputFn
 
@@ -47,14 +48,17 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 ``"timed"``."""
 
 
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+def check_forward_seed(seed: int | None) -> int | None:
+    """``seed`` as a plain int (any ``numbers.Integral``), or ``None``.
 
-
-def check_forward_seed(seed: int | None) -> None:
-    """Raise a ``TypeError`` unless ``seed`` is ``None`` or an int."""
-    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+    Raises:
+        TypeError: ``seed`` is neither ``None`` nor an integer.
+    """
+    if seed is None:
+        return None
+    if not is_integer(seed):
         raise TypeError(f"forward_seed must be None or an int, got {seed!r}")
+    return int(seed)
 
 
 @dataclass(frozen=True)
@@ -104,8 +108,8 @@ class ProbeOptions:
     forward_seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not _positive_int(self.samples):
-            raise ValueError(f"samples must be a positive integer, got {self.samples!r}")
+        # numpy and other integers are kept as plain ints (saved states, records' JSON)
+        object.__setattr__(self, "samples", integer(self.samples, "samples", low=1))
         if self.omega not in OMEGAS:
             raise ValueError(f"unknown omega {self.omega!r}; choose one of {', '.join(OMEGAS)}")
         if self.output_fn is not None and not callable(self.output_fn):
@@ -115,16 +119,15 @@ class ProbeOptions:
             )
         if self.readout is not None and not isinstance(self.readout, str):
             raise TypeError(f"readout must be 'auto', a module name or None, got {self.readout!r}")
-        if self.chunk_size is not None and not _positive_int(self.chunk_size):
-            raise ValueError(
-                f"chunk_size must be None or a positive integer, got {self.chunk_size!r}"
-            )
+        if self.chunk_size is not None:
+            chunk = integer(self.chunk_size, "chunk_size", low=1, optional=True)
+            object.__setattr__(self, "chunk_size", chunk)
         if self.strategy not in STRATEGIES:
             raise ValueError(
                 f"unknown strategy {self.strategy!r}; choose one of {', '.join(STRATEGIES)}"
             )
         check_grouping(self.grouping)
-        check_forward_seed(self.forward_seed)
+        object.__setattr__(self, "forward_seed", check_forward_seed(self.forward_seed))
 
     def replace(self, **changes: object) -> ProbeOptions:
         """A copy with ``changes`` applied (and validated)."""

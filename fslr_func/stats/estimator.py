@@ -26,13 +26,14 @@ The FSLR is the square root of the estimate.
 from __future__ import annotations
 
 import math
-import numbers
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import torch
 from torch import Tensor
+
+from .checks import real
 
 Estimator = Literal["kron", "full", "iid"]
 """The estimators of ``||Delta_W f||^2_RMS``: ``kron`` (tensor-normal), ``full``, ``iid``."""
@@ -220,10 +221,8 @@ class EMA:
     last_dropped: dict[str, Tensor] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        beta: object = self.beta
-        number = isinstance(beta, numbers.Real) and not isinstance(beta, bool)
-        if not (number and 0 <= float(beta) < 1):  # type: ignore[arg-type]
-            raise ValueError(f"beta must be in [0, 1), a number, got {beta!r}")
+        # a plain float (np.float64 too): the EMA's beta goes into states and records
+        self.beta = real(self.beta, "beta", low=0.0, below=1.0, what="in [0, 1), a number")
 
     def update(
         self,

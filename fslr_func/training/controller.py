@@ -284,6 +284,9 @@ class StepController:
         self.fm = fm
         self.optimizers = optimizers_of(optimizers)
         self.plan = ProbePlan.of(warmup_samples, fm.samples, every, start_step)
+        # checked integers, kept plain (np.int64 too): they go into states and records
+        warmup_samples = int(warmup_samples)
+        every, start_step = self.plan.every, self.plan.start_step
         self.scheduler = check_scheduler(scheduler, self.optimizers)
         self.log_fn = check_log_fn(log_fn)
         self._feed = ProbeFeed(probe_batches)

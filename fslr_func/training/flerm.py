@@ -76,6 +76,7 @@ from torch import Tensor
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from ..probe.names import short_list
+from ..stats.checks import integer, real
 from . import policies
 from .controller import LogFn, StepController
 from .feature_gains import hidden_fan_in, require_readout, step_gains
@@ -272,15 +273,12 @@ class FLeRM(StepController):
             )
         if mode not in ("static", "periodic"):
             raise ValueError(f"mode must be 'static' or 'periodic', got {mode!r}")
-        if not (isinstance(min_fslr, (int, float)) and math.isfinite(min_fslr) and min_fslr >= 0):
-            raise ValueError(f"min_fslr must be a finite number >= 0, got {min_fslr!r}")
-        if not (
-            isinstance(feature_power, (int, float))
-            and not isinstance(feature_power, bool)
-            and math.isfinite(feature_power)
-            and feature_power > 0
-        ):
-            raise ValueError(f"feature_power must be a finite number > 0, got {feature_power!r}")
+        min_fslr = real(min_fslr, "min_fslr", low=0.0)
+        feature_power = real(feature_power, "feature_power", above=0.0)
+        # plain ints from here on (np.int64 too): they go into the saved state's config
+        warmup_samples = integer(warmup_samples, "warmup_samples", low=1)
+        every = None if every is None else integer(every, "every", low=1, optional=True)
+        start_step = integer(start_step, "start_step", low=0)
         resolved = policies.resolve(policy)
         super().__init__(
             fm,

@@ -10,13 +10,12 @@ Examples:
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from ..probe.names import BLOCK_PATTERN, short_list, short_lists
+from ..stats.checks import real
 
 __all__ = ["DEFAULT_PATTERN", "Policy", "check_total", "check_unique", "identity", "named"]
 
@@ -49,11 +48,7 @@ def check_unique(scaled: Sequence[str]) -> None:
 
 def check_total(total: float) -> float:
     """``total`` as a float, refused unless a finite number ``> 0`` (``ValueError``)."""
-    number = isinstance(total, numbers.Real) and not isinstance(total, bool)
-    t = float(total) if number else math.nan
-    if not (math.isfinite(t) and t > 0):
-        raise ValueError(f"total must be a finite number > 0, got {total!r}")
-    return t
+    return real(total, "total", above=0.0)
 
 
 def named(

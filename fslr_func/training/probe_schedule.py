@@ -24,12 +24,9 @@ from dataclasses import dataclass
 import torch
 
 from ..probe.functional import Inputs
+from ..stats.checks import integer
 
 __all__ = ["ProbeFeed", "ProbePlan", "length_of"]
-
-
-def _positive_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 @dataclass(frozen=True)
@@ -59,12 +56,10 @@ class ProbePlan:
             ValueError: ``warmup_samples`` or ``every`` not a positive integer, or
                 ``start_step`` negative.
         """
-        if not _positive_int(warmup_samples):
-            raise ValueError(f"warmup_samples must be a positive integer, got {warmup_samples!r}")
-        if every is not None and not _positive_int(every):
-            raise ValueError(f"every must be None or a positive integer, got {every!r}")
-        if not isinstance(start_step, int) or isinstance(start_step, bool) or start_step < 0:
-            raise ValueError(f"start_step must be a non-negative integer, got {start_step!r}")
+        warmup_samples = integer(warmup_samples, "warmup_samples", low=1)
+        if every is not None:
+            every = integer(every, "every", low=1, optional=True)
+        start_step = integer(start_step, "start_step", low=0)
         return cls(math.ceil(warmup_samples / samples), every, start_step)
 
     def probes_at(self, step: int) -> int:

@@ -169,6 +169,7 @@ class Recorder(StepController):
     ) -> None:
         if base_lr is not None and not is_learning_rate(base_lr):
             raise ValueError(f"base_lr must be None or a finite number > 0, got {base_lr!r}")
+        base_lr = None if base_lr is None else float(base_lr)  # plain, for the record's JSON
         if meta is not None and not isinstance(meta, Mapping):
             raise TypeError(f"meta must be a dict of JSON-able entries, got {type(meta).__name__}")
         super().__init__(
@@ -198,9 +199,9 @@ class Recorder(StepController):
                 "model": type(unwrapped(fm.module)[0]).__name__,
                 "base_lr": base_lr,
                 "schedule": self._config["scheduler"],
-                "warmup_samples": warmup_samples,
-                "every": every,
-                "start_step": start_step,
+                "warmup_samples": self._config["warmup_samples"],
+                "every": self._config["every"],
+                "start_step": self._config["start_step"],
                 "sched_per_step": [],
                 **(meta or {}),
             }

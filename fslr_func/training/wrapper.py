@@ -35,6 +35,7 @@ from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
 from ..probe.readout import readout_module
 from ..probe.sampling import GradientReduction, run_probe
+from ..stats.checks import is_integer
 from ..stats.estimator import (
     EMA,
     Estimator,
@@ -141,8 +142,9 @@ class FSLRModule(nn.Module):
         self.reported: dict[str, int] = {}  # drops already warned about, per tensor
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        if not isinstance(seed, int) or isinstance(seed, bool):
+        if not is_integer(seed):
             raise TypeError(f"seed must be an int or None, got {seed!r}")
+        seed = int(seed)
         if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
             raise ValueError(f"seed must be in [-2**63, 2**64) (a torch seed), got {seed}")
         self.seed = seed
