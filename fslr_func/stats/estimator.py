@@ -191,6 +191,64 @@ def mean_valid_log_stats(log_stats: Tensor) -> Tensor:
     return torch.logsumexp(kept, dim=0) - valid.sum().to(log_stats.dtype).log()
 
 
+def _owners(sizes: Sequence[int], device: torch.device) -> Tensor:
+    """Per entry of the concatenation of segments of ``sizes``, its segment's index (int64,
+    on ``device``, built there: a tensor made from a host list would synchronise a GPU)."""
+    return torch.cat(
+        [torch.full((s,), i, dtype=torch.int64, device=device) for i, s in enumerate(sizes)]
+    )
+
+
+def _batchable(tensors: Sequence[Tensor], dim: int) -> bool:
+    """Whether per-tensor log statistics can go through one concatenated tensor: float64,
+    of rank ``dim``, on one device, with the same leading shape."""
+    first = tensors[0]
+    return all(
+        t.dtype == torch.float64
+        and t.dim() == dim
+        and t.device == first.device
+        and t.shape[:-1] == first.shape[:-1]
+        and t.shape[-1] > 0
+        for t in tensors
+    )
+
+
+def mean_valid_log_stats_all(log_stats: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`mean_valid_log_stats` of every tensor of a probe at once, bit for bit.
+
+    The statistics of all tensors are concatenated along their last dim and reduced in a
+    handful of operations (a sample is valid per tensor, as in the one-tensor function),
+    instead of about seven small operations per tensor, but for the mean itself.
+    Falls back to the one-tensor function for statistics not all float64 ``(S, D + 2)`` on
+    one device.
+
+    Examples:
+        >>> ls = {"a": torch.tensor([[0.0], [math.log(3.0)]], dtype=torch.float64),
+        ...       "b": torch.tensor([[0.0, 1.0], [math.nan, 0.0]], dtype=torch.float64)}
+        >>> {n: v.exp() for n, v in mean_valid_log_stats_all(ls).items()}
+        {'a': tensor([2.], dtype=torch.float64), 'b': tensor([1.0000, 2.7183], dtype=torch.float64)}
+    """
+    names = list(log_stats)
+    tensors = [log_stats[n] for n in names]
+    if not tensors or not _batchable(tensors, 2):
+        return {n: mean_valid_log_stats(t) for n, t in zip(names, tensors, strict=True)}
+    sizes = [t.shape[1] for t in tensors]
+    flat = torch.cat(tensors, dim=1)
+    owner = _owners(sizes, flat.device)
+    invalid = torch.isnan(flat) | torch.isposinf(flat)
+    # samples with a NaN or +inf among a tensor's statistics, per (sample, tensor)
+    bad = torch.zeros((flat.shape[0], len(sizes)), dtype=torch.int64, device=flat.device)
+    valid = bad.index_add_(1, owner, invalid.to(torch.int64)).eq(0)
+    kept = torch.where(valid.index_select(1, owner), flat, -math.inf)
+    counts = valid.sum(0).to(flat.dtype).log_().unbind(0)
+    # logsumexp tensor by tensor: on the concatenation its vectorised exp and sum would
+    # split the columns differently and round some results otherwise (by 1 ulp)
+    return {
+        n: torch.logsumexp(k.contiguous(), dim=0).sub_(c)
+        for n, k, c in zip(names, torch.split(kept, sizes, dim=1), counts, strict=True)
+    }
+
+
 @dataclass
 class EMA:
     r"""Bias-corrected exponential moving average of log-space statistics, per tensor.
@@ -242,15 +300,19 @@ class EMA:
         """
         log_beta = math.log(self.beta) if self.beta > 0 else -math.inf
         log_1mb = math.log1p(-self.beta)
-        for name, x in log_x.items():
-            x = x.detach().to(torch.float64)
+        xs = {name: x.detach().to(torch.float64) for name, x in log_x.items()}
+        for name, x in xs.items():
             previous = self.log_m.get(name)
             if previous is None or previous.shape != x.shape:
-                previous = torch.full_like(x, -math.inf)
+                self.log_m[name] = torch.full_like(x, -math.inf)
                 zero = torch.zeros((), dtype=torch.int64, device=x.device)
                 self.counts[name], self.dropped[name] = zero, zero
                 self.last_dropped[name] = zero - 1
-            previous = previous.to(x.device)
+        if len(xs) > 1 and _batchable(list(xs.values()), 1):
+            self._update_all(xs, log_beta, log_1mb, step, include)
+            return
+        for name, x in xs.items():
+            previous = self.log_m[name].to(x.device)
             ok = valid_log(x)
             wanted = None if include is None else include.get(name)
             take = ok if wanted is None else ok & wanted
@@ -261,6 +323,54 @@ class EMA:
             self.counts[name] = self.counts[name].to(x.device) + take
             self.dropped[name] = self.dropped[name].to(x.device) + bad
             self.last_dropped[name] = torch.where(bad, step, self.last_dropped[name].to(x.device))
+
+    def _update_all(
+        self,
+        xs: Mapping[str, Tensor],
+        log_beta: float,
+        log_1mb: float,
+        step: int,
+        include: Mapping[str, Tensor] | None,
+    ) -> None:
+        """:meth:`update` of every tensor at once, bit for bit: the averages, counts and flags
+        of all tensors concatenated, updated in about fifteen operations and one ``logaddexp``
+        per tensor instead of a dozen per tensor, and split back (the stored tensors are
+        views of one tensor each)."""
+        names = list(xs)
+        sizes = [xs[n].shape[0] for n in names]
+        x = torch.cat([xs[n] for n in names])
+        device = x.device
+        previous = torch.cat([self.log_m[n].to(device) for n in names])
+        owner = _owners(sizes, device)
+        invalid = (torch.isnan(x) | torch.isposinf(x)).to(torch.int64)
+        ok = torch.zeros(len(names), dtype=torch.int64, device=device)
+        ok = ok.index_add_(0, owner, invalid).eq(0)
+        wanted = None
+        if include is not None and any(n in include for n in names):
+            every = torch.ones((), dtype=torch.bool, device=device)
+            wanted = torch.stack([include.get(n, every).to(device) for n in names])
+        take = ok if wanted is None else ok & wanted
+        bad = ~ok if wanted is None else ~ok & wanted
+        # logaddexp tensor by tensor: on the concatenation its vectorised exp and log would
+        # split the entries differently and round some results otherwise (by 1 ulp)
+        mixed = torch.cat(
+            [
+                torch.logaddexp(p, q)
+                for p, q in zip(
+                    torch.split(previous + log_beta, sizes),
+                    torch.split(x + log_1mb, sizes),
+                    strict=True,
+                )
+            ]
+        )
+        log_m = torch.where(take.index_select(0, owner), mixed, previous)
+        counts = torch.stack([self.counts[n].to(device) for n in names]) + take
+        dropped = torch.stack([self.dropped[n].to(device) for n in names]) + bad
+        last = torch.where(bad, step, torch.stack([self.last_dropped[n].to(device) for n in names]))
+        self.log_m.update(zip(names, torch.split(log_m, sizes), strict=True))
+        self.counts.update(zip(names, counts.unbind(0), strict=True))
+        self.dropped.update(zip(names, dropped.unbind(0), strict=True))
+        self.last_dropped.update(zip(names, last.unbind(0), strict=True))
 
     def value(self) -> dict[str, Tensor]:
         """Bias-corrected log expectations per tensor (NaN where nothing valid was folded in)."""

@@ -20,6 +20,7 @@ Examples:
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -133,7 +134,7 @@ class Measurement:
         current = dict(module.named_parameters())
         self.lrs = lrs = {**self.lrs, **scaled.rates(module, self.lrs)}
         self.delta = updates.differences(current, self.before, lrs)
-        self.changed = {n: _changed(self.delta[n]) for n in lrs}
+        self.changed = _changed_all({n: self.delta[n] for n in lrs})
         self.rounded = {
             n: _rounded_away(current[n], self.changed[n])
             for n in lrs
@@ -191,6 +192,18 @@ def _changed(delta: Tensor) -> Tensor:
         return flag
     # two vectorised reductions: 5x faster than any() on a CPU, which is not vectorised
     return (delta.amax() != 0) | (delta.amin() != 0)
+
+
+def _changed_all(deltas: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """:func:`_changed` of every update: on a CPU in one multi-tensor reduction (the largest
+    magnitude of each update, a NaN propagated, non-zero) instead of four operations per
+    tensor; elsewhere (a GPU's multi-tensor kernels need not propagate a NaN) and for FSDP2
+    shards, tensor by tensor."""
+    tensors = list(deltas.values())
+    if not tensors or any(t.device.type != "cpu" or is_dtensor(t) for t in tensors):
+        return {n: _changed(d) for n, d in deltas.items()}
+    peaks = torch._foreach_norm(tensors, math.inf)
+    return dict(zip(deltas, torch.stack(peaks).ne(0).unbind(0), strict=True))
 
 
 def _rounded_away(param: Tensor, changed: Tensor) -> Tensor:

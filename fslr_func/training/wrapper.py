@@ -43,7 +43,7 @@ from ..stats.estimator import (
     ReadoutRole,
     check_estimator,
     log_sq_norm,
-    mean_valid_log_stats,
+    mean_valid_log_stats_all,
 )
 from .measurement import Measurement, Reading, read_estimates
 from .update_scaling import Snapshots
@@ -244,7 +244,7 @@ class FSLRModule(nn.Module):
             )
             self.resolved_strategy = result.strategy
             self.readout_roles.update(result.readout)
-            means = {n: mean_valid_log_stats(s) for n, s in result.log_stats.items()}
+            means = mean_valid_log_stats_all(result.log_stats)
             self.ema.update(means, step=self.probes if step is None else step, include=changed)
             self.probes += 1
 

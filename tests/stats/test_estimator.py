@@ -143,3 +143,49 @@ def test_statistics_of_a_large_float32_tensor_are_accurate_under_vmap():
             [zi.square().sum(), zi.sum(0).square().sum(), zi.sum(1).square().sum(), zi.sum() ** 2]
         )
         torch.testing.assert_close(row, want, rtol=1e-5, atol=0)
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal bit for bit, NaN included, and of the same dtype and shape."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.is_floating_point():
+        return torch.equal(a.nan_to_num(7.0, 8.0, 9.0), b.nan_to_num(7.0, 8.0, 9.0))
+    return torch.equal(a, b)
+
+
+def test_batched_mean_and_ema_match_the_per_tensor_path_bit_for_bit() -> None:
+    """The wrapper's batched mean over samples and EMA update (all tensors in one
+    concatenation) give exactly what the one-tensor functions give, drops included."""
+    from fslr_func.stats.estimator import mean_valid_log_stats, mean_valid_log_stats_all
+
+    g = torch.Generator().manual_seed(0)
+    for _ in range(60):
+        count = int(torch.randint(2, 14, (), generator=g))
+        sizes = [int(torch.randint(1, 6, (), generator=g)) for _ in range(count)]
+        samples = int(torch.randint(1, 12, (), generator=g))
+        stats = {
+            f"t{i}": 30 * torch.randn(samples, s, generator=g, dtype=torch.float64)
+            for i, s in enumerate(sizes)
+        }
+        for t in stats.values():
+            u = torch.rand(t.shape, generator=g)
+            t[u < 0.05] = math.nan
+            t[(u >= 0.05) & (u < 0.1)] = math.inf
+            t[(u >= 0.1) & (u < 0.2)] = -math.inf
+        batched = mean_valid_log_stats_all(stats)
+        means = {n: mean_valid_log_stats(t) for n, t in stats.items()}
+        assert all(_same(batched[n], means[n]) for n in stats)
+        together, alone = EMA(0.9), EMA(0.9)
+        for step in range(4):
+            include = None
+            if step % 2:
+                named = [n for n in stats if step > 1 or n < "t5"]
+                include = {n: torch.rand((), generator=g) > 0.3 for n in named}
+            together.update(means, step=step, include=include)
+            for n, x in means.items():
+                only = None if include is None else {k: v for k, v in include.items() if k == n}
+                alone.update({n: x}, step=step, include=only)
+            for field in ("log_m", "counts", "dropped", "last_dropped"):
+                a, b = getattr(together, field), getattr(alone, field)
+                assert all(_same(a[n], b[n]) for n in b), field
