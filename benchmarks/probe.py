@@ -4,7 +4,9 @@ Run: ``python benchmarks/probe.py`` (about 2 minutes with ``--threads 1``, 6 at 
 threads on 2 shared cores; ``--quick`` for a smoke run, ``--no-memory`` to skip the
 peak-memory subprocesses). Everything is measured side by
 side in one run, on the two benchmark models (ResMLP width 512, 4 blocks, batch 256; the
-Transformer d_model 256, 2 blocks, sequence 128, batch 8), at ``S = --samples`` (8).
+Transformer d_model 256, 2 blocks, sequence 128, batch 8), at ``S = --samples`` (8);
+``--models small`` adds a small ResMLP (width 128, 4 blocks, input 40, batch 128), where the
+wrapper's fixed cost per measured step (snapshots, updates, EMA) weighs most.
 
 Cases, timed in ``--rounds`` interleaved rounds (every case once per round, in an order
 rotated from round to round, so that a shared machine's drifting load hits all alike):
@@ -77,6 +79,7 @@ from fslr_func.stats.statistics import ProductStatistics, ScaledUpdate
 LABELS = {
     "resmlp": "ResMLP width 512, 4 blocks, batch 256",
     "transformer": "Transformer d_model 256, 2 blocks, seq 128, batch 8",
+    "small": "ResMLP width 128, 4 blocks, input 40, batch 128",
 }
 
 
@@ -84,8 +87,13 @@ def build(kind: str, device: str = "cpu") -> tuple[nn.Module, Tensor, Callable[[
     """Model, probe/training inputs and loss for the two benchmark configurations (built on
     the CPU from seeds, then moved to ``device``)."""
     torch.manual_seed(0)
+    if kind == "small":  # where the wrapper's fixed cost per step shows
+        model: nn.Module = ResMLP(40, 10, width=128, depth=4).to(device)
+        x = torch.randn(128, 40).to(device)
+        y = torch.randint(0, 10, (128,)).to(device)
+        return model, x, lambda out: nn.functional.cross_entropy(out, y)
     if kind == "resmlp":
-        model: nn.Module = ResMLP(64, 10, width=512, depth=4).to(device)
+        model = ResMLP(64, 10, width=512, depth=4).to(device)
         x = torch.randn(256, 64).to(device)
         y = torch.randint(0, 10, (256,)).to(device)
         return model, x, lambda out: nn.functional.cross_entropy(out, y)

@@ -94,14 +94,18 @@ class Measurement:
             ValueError: the optimisers update none of ``module``'s parameters, or every rate
                 is 0 at this step and no scheduler drives them.
         """
-        held = {n: lr for o in optimizers for n, lr in group_rates(module, o).items()}
+        current = dict(module.named_parameters())  # one walk of the module for the step
+        held: dict[str, float] = {}
+        rates: dict[str, float] = {}
+        for o in optimizers:
+            own = group_rates(module, o, current)
+            held.update(own)
+            rates.update(rates_in_force(module, o, current, own))
         if not held:
             raise ValueError(
                 "the optimiser updates none of the module's trainable parameters: build it "
                 "from fm.parameters()"
             )
-        current = dict(module.named_parameters())
-        rates = {n: lr for o in optimizers for n, lr in rates_in_force(module, o).items()}
         lrs = {n: lr for n, lr in held.items() if rates[n] != 0.0 and current[n].numel() > 0}
         if not lrs and _warming_up(optimizers):
             warnings.warn(
@@ -132,7 +136,7 @@ class Measurement:
         would synchronise every step; an unchanged tensor's probe is computed but not folded
         in)."""
         current = dict(module.named_parameters())
-        self.lrs = lrs = {**self.lrs, **scaled.rates(module, self.lrs)}
+        self.lrs = lrs = {**self.lrs, **scaled.rates(module, self.lrs, current)}
         self.delta = updates.differences(current, self.before, lrs)
         self.changed = _changed_all({n: self.delta[n] for n in lrs})
         self.rounded = {

@@ -112,7 +112,11 @@ def when_final(optimizers: Sequence[torch.optim.Optimizer], fn: Callable[[], Non
         scaling.when_final(one_closed)
 
 
-def group_rates(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+def group_rates(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    named: Mapping[str, Tensor] | None = None,
+) -> dict[str, float]:
     """The rate of the param group holding each trainable named parameter of ``model`` that
     the optimiser updates (any group layout; parameters it does not hold are left out).
 
@@ -122,8 +126,12 @@ def group_rates(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
         ...                        {"params": [net.bias], "lr": 0.2}])
         >>> group_rates(net, opt)
         {'weight': 0.1, 'bias': 0.2}
+
+    ``named``: ``dict(model.named_parameters())`` where the caller has it (one walk of the
+    module less).
     """
-    names = {id(p): n for n, p in model.named_parameters() if p.requires_grad}
+    params = model.named_parameters() if named is None else named.items()
+    names = {id(p): n for n, p in params if p.requires_grad}
     return {
         names[id(p)]: group_lr(group)
         for group in optimizer.param_groups
@@ -132,7 +140,12 @@ def group_rates(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str,
     }
 
 
-def rates_in_force(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+def rates_in_force(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    named: Mapping[str, Tensor] | None = None,
+    held: Mapping[str, float] | None = None,
+) -> dict[str, float]:
     """Each parameter's learning rate: its group's, times FLeRM's factor where FLeRM drives
     the optimiser (:class:`Scaling`).
 
@@ -140,12 +153,16 @@ def rates_in_force(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
         >>> net = torch.nn.Linear(2, 1)
         >>> rates_in_force(net, torch.optim.SGD(net.parameters(), lr=0.1))
         {'weight': 0.1, 'bias': 0.1}
+
+    ``named`` (``dict(model.named_parameters())``) and ``held`` (:func:`group_rates` of the
+    same) spare walks of the module where the caller has them.
     """
-    rates = group_rates(model, optimizer)
+    rates = dict(group_rates(model, optimizer, named) if held is None else held)
     scaling = scaling_of(optimizer)
     if scaling is None:
         return rates
-    ids = {n: id(p) for n, p in model.named_parameters()}
+    params = model.named_parameters() if named is None else named.items()
+    ids = {n: id(p) for n, p in params}
     return {n: lr * scaling.factors.get(ids[n], 1.0) for n, lr in rates.items()}
 
 
@@ -160,16 +177,24 @@ class ScaledSince:
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
         self._start = [(o, s.applied if (s := scaling_of(o)) else 0) for o in optimizers]
 
-    def rates(self, model: nn.Module, lrs: Mapping[str, float]) -> dict[str, float]:
+    def rates(
+        self,
+        model: nn.Module,
+        lrs: Mapping[str, float],
+        named: Mapping[str, Tensor] | None = None,
+    ) -> dict[str, float]:
         """``lrs`` (group rates) of the tensors whose update was scaled since, times the factor
-        applied; tensors not scaled since are left out."""
-        ids = {n: id(p) for n, p in model.named_parameters()}
+        applied; tensors not scaled since are left out. ``named``: ``model``'s
+        ``dict(named_parameters())`` where the caller has it."""
         out: dict[str, float] = {}
         for optimizer, applied in self._start:
             scaling = scaling_of(optimizer)
             if scaling is None or scaling.applied == applied:
                 continue
-            for n in group_rates(model, optimizer):
+            if named is None:
+                named = dict(model.named_parameters())
+            ids = {n: id(p) for n, p in named.items()}
+            for n in group_rates(model, optimizer, named):
                 if n in lrs:
                     out[n] = lrs[n] * scaling.factors.get(ids[n], 1.0)
         return out
