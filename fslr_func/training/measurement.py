@@ -20,7 +20,6 @@ Examples:
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -198,16 +197,30 @@ def _changed(delta: Tensor) -> Tensor:
     return (delta.amax() != 0) | (delta.amin() != 0)
 
 
+FOREACH_CHANGED_NUMEL = 2**14
+"""Updates up to this many elements are checked for a change together, on a CPU
+(:func:`_changed_all`); larger ones each by their own two vectorised reductions."""
+
+
 def _changed_all(deltas: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """:func:`_changed` of every update: on a CPU in one multi-tensor reduction (the largest
-    magnitude of each update, a NaN propagated, non-zero) instead of four operations per
-    tensor; elsewhere (a GPU's multi-tensor kernels need not propagate a NaN) and for FSDP2
-    shards, tensor by tensor."""
-    tensors = list(deltas.values())
-    if not tensors or any(t.device.type != "cpu" or is_dtensor(t) for t in tensors):
-        return {n: _changed(d) for n, d in deltas.items()}
-    peaks = torch._foreach_norm(tensors, math.inf)
-    return dict(zip(deltas, torch.stack(peaks).ne(0).unbind(0), strict=True))
+    """:func:`_changed` of every update. On a CPU the small updates (up to
+    :data:`FOREACH_CHANGED_NUMEL` elements, where the per-tensor cost is the dispatch of four
+    operations) go through one multi-tensor 1-norm, which is non-zero exactly where
+    :func:`_changed` is true (a sum of magnitudes neither underflows nor cancels, and a NaN
+    propagates); the large ones, whose 1-norm is slower than ``amax`` and ``amin`` (on the
+    ResMLP of width 512: 0.55 ms against 0.18 ms), and every update on other devices (a
+    GPU's multi-tensor kernels need not propagate a NaN) and FSDP2 shards, tensor by
+    tensor."""
+    small = [
+        n
+        for n, d in deltas.items()
+        if d.device.type == "cpu" and not is_dtensor(d) and d.numel() <= FOREACH_CHANGED_NUMEL
+    ]
+    flags: dict[str, Tensor] = {}
+    if len(small) > 1:
+        norms = torch._foreach_norm([deltas[n] for n in small], 1)
+        flags = dict(zip(small, torch.stack(norms).ne(0).unbind(0), strict=True))
+    return {n: flags[n] if n in flags else _changed(d) for n, d in deltas.items()}
 
 
 def _rounded_away(param: Tensor, changed: Tensor) -> Tensor:

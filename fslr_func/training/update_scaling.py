@@ -215,19 +215,9 @@ class Snapshots:
         names = list(rates)
         out = self._kept(names, after)
         with torch.no_grad():
-            into, a, b = (
-                _local(out),
-                _local([after[n] for n in names]),
-                _local([before[n] for n in names]),
-            )
-            if into and all(t.device.type == "cpu" for t in into):
-                # on a CPU a multi-tensor op is the same kernels, bit for bit, in one call
-                torch._foreach_copy_(into, a)
-                torch._foreach_sub_(into, b)
-                torch._foreach_div_(into, [rates[n] for n in names])
-            else:  # a GPU's multi-tensor division may multiply by the reciprocal
-                for o, x, y, n in zip(into, a, b, names, strict=True):
-                    torch.sub(x, y, out=o).div_(rates[n])
+            for n, into in zip(names, _local(out), strict=True):
+                (a, b) = _local([after[n], before[n]])
+                torch.sub(a, b, out=into).div_(rates[n])
         return dict(zip(names, out, strict=True))
 
 

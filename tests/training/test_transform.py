@@ -215,3 +215,36 @@ def test_a_wrapper_is_not_wrapped_again() -> None:
         "module.weight",
         "module.bias",
     ]
+
+
+def test_the_batched_change_flags_and_updates_match_the_per_tensor_ones() -> None:
+    """after_step's multi-tensor paths (small updates' change flags by one 1-norm, the
+    unit-rate updates by foreach copy/sub/div) agree with the per-tensor ones: a NaN, a
+    subnormal or a lone negative entry is a change, signed zeros are not; updates bit for bit."""
+    import math
+
+    from fslr_func.training.measurement import _changed, _changed_all
+    from fslr_func.training.update_scaling import Snapshots
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        deltas = {
+            f"a{i}": (torch.randn(1 + i, generator=g) * (i % 3 != 0)).to(dtype) for i in range(12)
+        }
+        deltas["big"] = torch.zeros(20000, dtype=dtype)
+        deltas["big_negative"] = torch.zeros(20000, dtype=dtype)
+        deltas["big_negative"][5] = -1.0
+        special = {"nan": [0.0, math.nan], "zeros": [0.0, -0.0], "tiny": [0.0, -1e-45]}
+        deltas.update({n: torch.tensor(v).to(dtype) for n, v in special.items()})
+        deltas["inf"] = torch.tensor([-math.inf, 0.0]).to(dtype)
+        got = _changed_all(deltas)
+        assert list(got) == list(deltas)
+        for n, d in deltas.items():
+            want = _changed(d)
+            assert got[n].dtype == want.dtype and bool(got[n]) == bool(want), (dtype, n)
+    after = {f"w{i}": torch.randn(33, 17, generator=g) for i in range(6)}
+    before = {n: v + 1e-3 * torch.randn(v.shape, generator=g) for n, v in after.items()}
+    rates = {n: 1e-3 * (1 + i) for i, n in enumerate(after)}
+    updates = Snapshots().differences(after, before, rates)
+    for n in after:
+        assert torch.equal(updates[n], torch.sub(after[n], before[n]).div_(rates[n]))
