@@ -47,7 +47,8 @@ class Measurement:
             factor where FLeRM scaled the update inside the block).
         delta: the unit-learning-rate updates, ``(after - before) / lr``.
         log_sq: the wrapper's log ``||Delta_W f||^2_RMS`` estimates after folding this
-            step's probes in, on the device (NaN: nothing valid measured yet).
+            step's probes in, on the device (NaN: nothing valid measured yet); computed when
+            first read (:class:`~fslr_func.training.wrapper.LogSqAtStep`).
         folded: per tensor, how many of this step's probes were folded into its EMA (the
             others were left out as not finite, or the tensor did not move), on the device.
         changed: per tensor, whether the step changed it (a 0-d bool on the device). A tensor
@@ -65,7 +66,7 @@ class Measurement:
     before: dict[str, Tensor]
     lrs: dict[str, float]
     delta: dict[str, Tensor] = field(default_factory=dict)
-    log_sq: dict[str, Tensor] = field(default_factory=dict)
+    log_sq: Mapping[str, Tensor] = field(default_factory=dict)
     folded: dict[str, Tensor] = field(default_factory=dict)
     changed: dict[str, Tensor] = field(default_factory=dict)
     rounded: dict[str, Tensor] = field(default_factory=dict)

@@ -248,3 +248,24 @@ def test_the_batched_change_flags_and_updates_match_the_per_tensor_ones() -> Non
     updates = Snapshots().differences(after, before, rates)
     for n in after:
         assert torch.equal(updates[n], torch.sub(after[n], before[n]).div_(rates[n]))
+
+
+def test_a_measurement_read_after_later_steps_gives_its_own_step_estimates() -> None:
+    """Measurement.log_sq is computed when first read, from the EMA as it stood at the end of
+    its step: read after later steps, it is what fm.log_sq() was then, bit for bit."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    fm = ff.with_fslr(model, samples=4, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    x = torch.randn(16, 4)
+    kept = []
+    for _ in range(3):
+        fm.zero_grad()
+        fm(x).square().sum().backward()
+        with fm.measure(opt, x) as m:
+            opt.step()
+        kept.append((m, fm.log_sq()))
+    for m, then in kept:
+        assert dict(m.log_sq).keys() == then.keys()
+        assert all(torch.equal(m.log_sq[n], then[n]) for n in then)
+        assert m.fslr.keys() == then.keys()
