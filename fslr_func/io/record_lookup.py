@@ -21,11 +21,23 @@ from typing import Any, Literal
 
 from ..probe.names import short_list
 
-__all__ = ["Fallback", "Lookups"]
+__all__ = ["Fallback", "Lookups", "row_in_force"]
 
 Fallback = Literal["error", "nearest", "omit"]
 """What a lookup does with an unknown FSLR: raise naming it, use the tensor's nearest known
 value (the latest earlier row, else the earliest later one), or leave the tensor out."""
+
+
+def row_in_force(steps: Sequence[int], step: int) -> int:
+    """Index of the row of ``steps`` (sorted, not empty) in force at ``step``: the latest
+    recorded step ``<= step``, the first row before the first step. How every lookup by step
+    reads a record, and how seeds recorded at different steps are averaged.
+
+    Examples:
+        >>> [row_in_force([1, 3, 6], t) for t in (0, 1, 3, 4, 6)]
+        [0, 0, 1, 1, 2]
+    """
+    return max(bisect.bisect_right(steps, step) - 1, 0)
 
 
 class Lookups:
@@ -46,7 +58,7 @@ class Lookups:
         """Index of the latest recorded step ``<= step`` (0 before the first one)."""
         if not self.steps:
             raise ValueError("the record is empty: nothing was recorded yet")
-        return max(bisect.bisect_right(self.steps, step) - 1, 0)
+        return row_in_force(self.steps, step)
 
     @property
     def last_step(self) -> int:

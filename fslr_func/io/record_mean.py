@@ -22,12 +22,12 @@ Examples:
 
 from __future__ import annotations
 
-import bisect
 import copy
 import math
 from collections.abc import Sequence
 from typing import Any, cast
 
+from .record_lookup import row_in_force
 from .record_schema import Series, check_compatible
 
 __all__ = ["mean_of", "seed_mean"]
@@ -63,17 +63,6 @@ def _column_means(columns: list[Sequence[float | None]]) -> list[float | None]:
     return out
 
 
-def _rows_in_force(steps: Sequence[int], at: Sequence[int]) -> list[int]:
-    """For each step of ``at``, the index of the row of ``steps`` in force there: the latest
-    at or before it, the first row before the first step.
-
-    Examples:
-        >>> _rows_in_force([1, 3, 6], [0, 1, 3, 4, 6])
-        [0, 0, 1, 1, 2]
-    """
-    return [max(bisect.bisect_right(steps, t) - 1, 0) for t in at]
-
-
 def _geometric_means(gains: list[dict[str, Any]]) -> dict[str, float]:
     """Per tensor, the geometric mean of the seeds' feature gains (tensors with a gain that
     is not a finite number > 0 in some seed are left out)."""
@@ -107,7 +96,7 @@ def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
     if all(isinstance(g, dict) for g in gains):  # Recorder(feature_gains=True)
         meta["feature_gain"] = _geometric_means(cast(list[dict[str, Any]], gains))
     steps = sorted({t for r in records for t in r.steps})
-    rows = [_rows_in_force(r.steps, steps) for r in records]
+    rows = [[row_in_force(r.steps, t) for t in steps] for r in records]
 
     def columns(series: list[Sequence[Any]]) -> list[float | None]:
         return _column_means([[s[i] for i in idx] for s, idx in zip(series, rows, strict=True)])
