@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import math
 import os
@@ -137,8 +138,11 @@ def ceiling(samples: int, forward: float, backward: float) -> float:
     return samples * (forward + backward) / (forward + samples * backward)
 
 
-def cases(kind: str, samples: int, device: str = "cpu") -> dict[str, Callable[[], object]]:
-    """The timed callables of one model (see the module docstring)."""
+def cases(
+    kind: str, samples: int, device: str = "cpu", strategies: tuple[str, ...] = ()
+) -> dict[str, Callable[[], object]]:
+    """The timed callables of one model (see the module docstring); ``strategies`` adds an
+    ``estimate <strategy>`` case for each strategy pinned."""
     model, x, loss_fn = build(kind, device)
     delta = unit_delta(model)
     fm = ff.with_fslr(model, samples=samples, seed=0)
@@ -149,8 +153,15 @@ def cases(kind: str, samples: int, device: str = "cpu") -> dict[str, Callable[[]
         with fm.measure(opt, x):
             opt.step()
 
+    pinned = {
+        f"estimate {s}": functools.partial(
+            ff.estimate, model, x, delta, samples=samples, strategy=s
+        )
+        for s in strategies
+    }
     return {
         "estimate": lambda: ff.estimate(model, x, delta, samples=samples),
+        **pinned,
         "sequential": lambda: sequential_probe(model, x, delta, samples),
         "measure": measure,
         "sgd step": opt.step,

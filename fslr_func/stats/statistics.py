@@ -26,7 +26,6 @@ short vectors, instead of a dozen operations per tensor.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -161,10 +160,12 @@ class ProductStatistics:
         self.owner = torch.cat(
             [torch.full((s,), i, device=device) for i, s in enumerate(self.sizes)]
         )
-        # q_full enters as |sum Z'| (no square to underflow): its log counts twice
-        self.powers = torch.ones_like(self.log_factors)
-        for end in itertools.accumulate(self.sizes):
-            self.powers[end - 1] = 2.0
+        # q_full, each tensor's last statistic, enters as |sum Z'| (no square to underflow):
+        # its log counts twice (found on the device: writing a host scalar into a CUDA tensor
+        # synchronises)
+        last = torch.ones_like(self.owner, dtype=torch.bool)
+        torch.ne(self.owner[1:], self.owner[:-1], out=last[:-1])
+        self.powers = last.to(self.log_factors.dtype) + 1.0
         self._floors: dict[tuple[torch.dtype, ...], Tensor] = {}
 
     def __call__(
