@@ -51,12 +51,20 @@ class KnownForward:
         readout: readout tensor names -> ``"weight"`` or ``"bias"``.
         views: tensor name -> the shape ``Z`` is viewed as.
         strategy: the path the samples took (``"vmap"``, ``"loop"`` or ``"autograd"``).
+        num_outputs: the elements of the flat output (0: not known).
+        output_dtype: the output's dtype.
+        splittable: whether the backward may be split at the readout
+            (:mod:`fslr_func.probe.split_head`): ``False`` once a forward's output was not
+            the readout's own.
     """
 
     readout_module: str | None
     readout: dict[str, ReadoutRole]
     views: dict[str, tuple[int, ...]]
     strategy: Strategy
+    num_outputs: int = 0
+    output_dtype: torch.dtype = torch.float32
+    splittable: bool = True
 
 
 KNOWN_PER_MODEL = 8

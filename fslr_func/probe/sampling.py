@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -49,6 +49,7 @@ from ..stats.statistics import ProductStatistics, ScaledUpdate
 from .fallback import first_line, warn_once
 from .functional import Inputs
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
+from .split_head import SplitHead
 from .vjp import VjpSetup, prepare_vjp
 
 if TYPE_CHECKING:
@@ -175,6 +176,18 @@ def chunk_size_for(
     return max(1, min(samples, CHUNK_BYTES // max(per_sample, 1)))
 
 
+def split_chunk_size(head: SplitHead, omega_entries: int, delta: Mapping[str, Tensor]) -> int:
+    """Samples per chunk of a probe split at its readout (:mod:`fslr_func.probe.split_head`).
+
+    The omegas live one at a time, so a chunk's per-sample gradients (every probed tensor's,
+    the readout's and ``dH``) may take :data:`CHUNK_BYTES` plus the one omega's bytes: the
+    memory the unsplit probe spends on its one-sample chunks.
+    """
+    grads = sum(d.numel() * d.element_size() for d in delta.values())
+    per_sample = grads + head.cotangent_bytes
+    return (CHUNK_BYTES + omega_entries * head.dtype.itemsize) // max(per_sample, 1)
+
+
 @dataclass(frozen=True)
 class OmegaSlice:
     """Where this process's outputs sit in each omega sample.
@@ -298,8 +311,17 @@ def _run(
     strict: bool,
 ) -> ProbeResult:
     """:func:`run_probe` on full tensors: one forward, the samples, the autograd fallback."""
+
+    def worth_splitting(num_outputs: int, dtype: torch.dtype) -> bool:
+        return chunk_size_for(options.samples, num_outputs, dtype.itemsize, delta) < options.samples
+
+    # One process with the chunks by bytes: a probe whose omegas do not fit one chunk splits
+    # its backward at a linear readout (fslr_func.probe.split_head).
+    split = worth_splitting if reduction is None and options.chunk_size is None else None
     try:
-        setup = prepare_vjp(model, inputs, delta, options, params=params, strict=strict)
+        setup = prepare_vjp(
+            model, inputs, delta, options, params=params, strict=strict, split=split
+        )
     except Exception:  # a forward that fails on one rank's shard too: the others must know
         if reduction is not None:
             reduction.abort(delta, options.samples)
@@ -359,7 +381,10 @@ def _sample(
     chunk = options.chunk_size or chunk_size_for(
         options.samples, where.draw, setup.dtype.itemsize, delta
     )
-    buffer = torch.empty((min(chunk, options.samples), where.draw), dtype=OMEGA_DTYPE, device=home)
+    if setup.head is not None:  # one omega at a time: the buffer holds one sample
+        chunk = max(1, min(options.samples, split_chunk_size(setup.head, where.draw, delta)))
+    rows_drawn = 1 if setup.head is not None else min(chunk, options.samples)
+    buffer = torch.empty((rows_drawn, where.draw), dtype=OMEGA_DTYPE, device=home)
 
     def gradients(w: Tensor) -> dict[str, Tensor]:
         (grads,) = setup.vjp_fn(w)
@@ -375,6 +400,12 @@ def _sample(
         ws = buffer[:count, where.offset : where.offset + local]
         return ws.to(device=setup.device, dtype=setup.dtype)
 
+    if setup.head is not None:
+        log_stats = _split_samples(setup, setup.head, draw, gradients, statistics, chunk, options)
+        return ProbeResult(
+            log_stats, setup.readout, setup.readout_module, where.total, setup.strategy
+        )
+
     rows = []
     for count in _chunks(options.samples, chunk):
         if reduction is None:
@@ -386,6 +417,52 @@ def _sample(
             rows.append(vmap(functools.partial(statistics, overwrite=True))(grads))
     log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
     return ProbeResult(log_stats, setup.readout, setup.readout_module, where.total, setup.strategy)
+
+
+def _split_samples(
+    setup: VjpSetup,
+    head: SplitHead,
+    draw: Callable[[int], Tensor],
+    gradients: Callable[[Tensor], dict[str, Tensor]],
+    statistics: ProductStatistics,
+    chunk: int,
+    options: ProbeOptions,
+) -> dict[str, Tensor]:
+    """The samples of a probe split at its readout (:mod:`fslr_func.probe.split_head`): per
+    chunk, the readout's products one omega at a time, then the body's vjp of the stacked
+    ``dH`` and the statistics of all the chunk's samples under vmap (a loop, with one
+    warning, where that vmap fails; later probes of the model then run unsplit)."""
+
+    def sample(d_inputs: Tensor, readout: dict[str, Tensor]) -> dict[str, Tensor]:
+        grads = gradients(d_inputs)
+        for n, g in readout.items():  # plus the body's part: any use of W or b before it
+            grads[n] = grads[n] + g
+        return statistics(grads, overwrite=True)
+
+    def batched(d_inputs: Tensor, readout: dict[str, Tensor]) -> dict[str, Tensor]:
+        if setup.splittable:
+            try:
+                return vmap(sample)(d_inputs, readout)
+            except (RuntimeError, NotImplementedError) as err:
+                setup.splittable = False  # later probes run unsplit, as they did before
+                warn_once(
+                    setup.model,
+                    "split",
+                    f"vmap over the backward of {type(setup.model).__name__} before its "
+                    f"readout failed ({first_line(err)}); this probe loops over its samples "
+                    "and later ones run unsplit (same result)",
+                )
+        rows = [sample(d, {n: g[i] for n, g in readout.items()}) for i, d in enumerate(d_inputs)]
+        return {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
+
+    chunks = []
+    for count in _chunks(options.samples, chunk):
+        parts = [head.readout_gradients(draw(1)[0]) for _ in range(count)]
+        d_inputs = torch.stack([d for d, _ in parts])
+        readout = {n: torch.stack([g[n] for _, g in parts]) for n in parts[0][1]}
+        del parts  # the stacks hold them now
+        chunks.append(batched(d_inputs, readout))
+    return {n: torch.cat([c[n] for c in chunks]) for n in chunks[0]}
 
 
 def probe(

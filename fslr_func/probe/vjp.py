@@ -29,6 +29,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -53,11 +54,23 @@ from .functional import (
 )
 from .options import ProbeOptions, Strategy
 from .readout import ReadoutFinder, readout_roles
+from .split_head import HeadCapture, LinearHead, SplitHead, linear_head
 
-__all__ = ["LOOP_WORK", "TIMED_VMAP_ROWS", "SampleFn", "VjpFn", "VjpSetup", "prepare_vjp"]
+__all__ = [
+    "LOOP_WORK",
+    "TIMED_VMAP_ROWS",
+    "SampleFn",
+    "SplitWhen",
+    "VjpFn",
+    "VjpSetup",
+    "prepare_vjp",
+]
 
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
 """The vjp of the probe's forward: a cotangent of the output to gradients by tensor name."""
+SplitWhen = Callable[[int, torch.dtype], bool]
+"""Whether a probe whose output has this many elements of this dtype is worth splitting at
+its readout (:mod:`fslr_func.probe.split_head`)."""
 SampleFn = Callable[[Tensor], dict[str, Tensor]]
 """One omega sample to what the sampling loop keeps of it (statistics by tensor name)."""
 TIMED_VMAP_ROWS = 3
@@ -159,6 +172,10 @@ class VjpSetup:
         requested: the strategy asked for (``"auto"`` and ``"timed"`` allow fallbacks).
         signature: the probe's key in :mod:`fslr_func.probe.forward_cache` (``None``: not
             cached).
+        head: the readout's part of the vjp where the backward is split at it
+            (:mod:`fslr_func.probe.split_head`): :attr:`vjp_fn` then maps a cotangent of the
+            readout's input ``H``, not of the output.
+        splittable: whether later probes may split at the readout.
     """
 
     model: nn.Module
@@ -172,12 +189,22 @@ class VjpSetup:
     strategy: Strategy
     requested: str
     signature: Hashable | None = None
+    head: SplitHead | None = None
+    splittable: bool = True
 
     def remember(self) -> None:
         """Keep what this forward found (readout, views, the path its samples took) for the
         next probe of its model with the same :attr:`signature`
         (:mod:`fslr_func.probe.forward_cache`)."""
-        found = KnownForward(self.readout_module, self.readout, self.views, self.strategy)
+        found = KnownForward(
+            self.readout_module,
+            self.readout,
+            self.views,
+            self.strategy,
+            self.num_outputs,
+            self.dtype,
+            self.splittable,
+        )
         remember(self.model, self.signature, found)
 
     def map_samples(self, fn: SampleFn, omegas: Tensor) -> dict[str, Tensor]:
@@ -243,6 +270,7 @@ def prepare_vjp(
     *,
     params: Mapping[str, Tensor] | None = None,
     strict: bool = True,
+    split: SplitWhen | None = None,
 ) -> VjpSetup:
     """Check the arguments and run the model's forward once under a vjp.
 
@@ -260,7 +288,9 @@ def prepare_vjp(
     connectivity are not checked again, the readout is not searched for, and ``"auto"`` and
     ``"timed"`` take the path that ran then (plain autograd at once where torch.func
     failed). The checks of the values (NaN or Inf in ``delta``, the inputs and the output,
-    with ``strict``) run on every call.
+    with ``strict``) run on every call. Such a probe on the vmap path, for which ``split``
+    says yes of the output's size and dtype, splits its backward at a linear readout
+    (:mod:`fslr_func.probe.split_head`).
 
     Raises:
         ValueError: bad names or shapes (:func:`~fslr_func.probe.functional.evaluation_point`); a
@@ -276,6 +306,49 @@ def prepare_vjp(
     primals = {n: point[n] for n in delta}
     fixed = {n: t for n, t in point.items() if n not in delta}
     readout, strategy = options.readout, options.strategy
+
+    head = _split_head(model, cached, split)
+    if head is not None:
+        capture = HeadCapture(model.get_submodule(head.module))
+
+        def body_output(p: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+            state = {**fixed, **tensors.constants(), **p}
+            with capture:
+                raw = model_forward(
+                    model, state, inputs, options.output_fn, forward_seed=options.forward_seed
+                )
+            out = as_output_tensor(raw, options.output_fn)
+            if not capture.output_is_head(out):
+                raise _NotTheHead
+            inputs_h = capture.input
+            capture.calls.clear()  # the output is returned; hold no other reference to it
+            return inputs_h, out.reshape(-1)
+
+        try:
+            inputs_h, body_vjp, out = vjp(body_output, primals, has_aux=True)  # type: ignore[misc]
+        except _NotTheHead:  # this forward's output is not the readout's: never split again
+            assert cached is not None
+            remember(model, signature, dataclasses.replace(cached, splittable=False))
+            cached = known(model, signature)
+        else:
+            assert cached is not None
+            check_output(out, finite=strict)
+            weight = {**fixed, **primals}[head.weight].detach()
+            probed = {n for n in (head.weight, head.bias) if n is not None and n in delta}
+            return VjpSetup(
+                model,
+                out.numel(),
+                out.device,
+                out.dtype,
+                body_vjp,
+                cached.readout,
+                cached.readout_module,
+                cached.views,
+                "vmap",
+                strategy,
+                signature,
+                SplitHead(head, inputs_h, weight, probed, out.dtype),
+            )
 
     finder = ReadoutFinder(model) if readout == "auto" and cached is None else None
     found: list[str | None] = []
@@ -361,4 +434,21 @@ def prepare_vjp(
         use,
         strategy,
         signature,
+        splittable=cached is None or cached.splittable,
     )
+
+
+class _NotTheHead(Exception):
+    """The forward's output was not the output of the readout's one call."""
+
+
+def _split_head(
+    model: nn.Module, cached: KnownForward | None, split: SplitWhen | None
+) -> LinearHead | None:
+    """The readout to split the backward at, where an earlier probe with the same signature
+    took the vmap path and ``split`` says yes of its output; else ``None``."""
+    if split is None or cached is None or cached.strategy != "vmap" or not cached.splittable:
+        return None
+    if not split(cached.num_outputs, cached.output_dtype):
+        return None
+    return linear_head(model, cached.readout_module)
