@@ -146,7 +146,7 @@ def sequential(ctx: Context) -> None:
     stats = []
     for _ in range(ctx.samples):
         out = logits(ctx.model(ctx.ids)).reshape(-1)
-        omega = torch.randn(out.numel(), device=out.device)
+        omega = torch.randn(out.numel(), device=out.device, dtype=out.dtype)
         phi = torch.dot(omega, out) / math.sqrt(out.numel())
         del omega
         grads = torch.autograd.grad(phi, wrt)

@@ -53,6 +53,7 @@ class KnownForward:
         strategy: the path the samples took (``"vmap"``, ``"loop"`` or ``"autograd"``).
         num_outputs: the elements of the flat output (0: not known).
         output_dtype: the output's dtype.
+        output_device: the output's device (``None``: not known).
         splittable: whether the backward may be split at the readout
             (:mod:`fslr_func.probe.split_head`): ``False`` once a forward's output was not
             the readout's own.
@@ -64,6 +65,7 @@ class KnownForward:
     strategy: Strategy
     num_outputs: int = 0
     output_dtype: torch.dtype = torch.float32
+    output_device: torch.device | None = None
     splittable: bool = True
 
 

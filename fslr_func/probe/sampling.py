@@ -68,6 +68,8 @@ __all__ = [
     "fill_omega_",
     "probe",
     "run_probe",
+    "split_chunk_size",
+    "split_worthwhile",
 ]
 
 
@@ -174,6 +176,33 @@ def chunk_size_for(
     grads = sum(d.numel() * d.element_size() for d in delta.values())
     per_sample = omega_entries * itemsize + grads
     return max(1, min(samples, CHUNK_BYTES // max(per_sample, 1)))
+
+
+def split_worthwhile(
+    samples: int,
+    num_outputs: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    delta: Mapping[str, Tensor],
+) -> bool:
+    """Whether a probe splits its backward at a linear readout (:mod:`fslr_func.probe.split_head`):
+    on an accelerator, where its omegas (``num_outputs`` of ``dtype`` per sample) do not all
+    fit one chunk (:func:`chunk_size_for`). Not on a CPU: the launches the split saves cost
+    little there, and its batched body backward and stacked gradients cost more (the thin
+    Llama of ``benchmarks/llm.py`` at sequence 16 and 64, 2 threads: the split probe took
+    1.19x and 1.36x the time of the unsplit one on the vmap path, 1.17x on plain autograd's).
+
+    Examples:
+        >>> d = {"w": torch.zeros(64, 64)}
+        >>> split_worthwhile(8, 128_256 * 1024, torch.float32, torch.device("cuda"), delta=d)
+        True
+        >>> split_worthwhile(8, 128_256 * 1024, torch.float32, torch.device("cpu"), delta=d)
+        False
+    """
+    if device.type == "cpu":
+        return False
+    return chunk_size_for(samples, num_outputs, dtype.itemsize, delta) < samples
 
 
 def split_chunk_size(head: SplitHead, omega_entries: int, delta: Mapping[str, Tensor]) -> int:
@@ -312,12 +341,12 @@ def _run(
 ) -> ProbeResult:
     """:func:`run_probe` on full tensors: one forward, the samples, the autograd fallback."""
 
-    def worth_splitting(num_outputs: int, dtype: torch.dtype) -> bool:
-        return chunk_size_for(options.samples, num_outputs, dtype.itemsize, delta) < options.samples
-
-    # One process with the chunks by bytes: a probe whose omegas do not fit one chunk splits
-    # its backward at a linear readout (fslr_func.probe.split_head).
-    split = worth_splitting if reduction is None and options.chunk_size is None else None
+    # One process with the chunks by bytes (fslr_func.probe.split_head).
+    split = (
+        functools.partial(split_worthwhile, options.samples, delta=delta)
+        if reduction is None and options.chunk_size is None
+        else None
+    )
     try:
         setup = prepare_vjp(
             model, inputs, delta, options, params=params, strict=strict, split=split
@@ -327,6 +356,7 @@ def _run(
             reduction.abort(delta, options.samples)
         raise
     signature = setup.signature
+    rewind = _omega_rewind(generator, setup.device) if reduction is None else None
     try:
         result = _sample(setup, delta, options, generator, reduction)
     except RuntimeError as err:
@@ -352,12 +382,37 @@ def _run(
         setup = prepare_vjp(
             model, inputs, delta, options.replace(strategy="autograd"), params=params, strict=strict
         )
+        if rewind is not None:  # the same omegas as the failed try drew: a seed reproduces
+            rewind()
         result = _sample(setup, delta, options, generator, reduction)
     # The next probe with the same signature skips the structural checks and takes this path
     # (plain autograd at once where the torch.func backward failed).
     setup.signature = signature  # the autograd retry's setup is kept under the first's key
     setup.remember()
     return result
+
+
+def _omega_rewind(
+    generator: torch.Generator | None, device: torch.device
+) -> Callable[[], None] | None:
+    """What puts the omegas' random state back where it is now (``generator``'s, or the
+    global one of ``device`` the omegas are drawn on without it), so that a retry draws the
+    same omegas; ``None`` where that state is not torch's CPU or CUDA one. Reads no device
+    value: a CUDA generator's state is its seed and offset, kept on the host."""
+    if generator is not None:
+        state = generator.get_state()
+
+        def restore() -> None:
+            generator.set_state(state)
+
+        return restore
+    if device.type == "cpu":
+        state = torch.get_rng_state()
+        return lambda: torch.set_rng_state(state)
+    if device.type == "cuda":
+        state = torch.cuda.get_rng_state(device)
+        return lambda: torch.cuda.set_rng_state(state, device)
+    return None
 
 
 def _sample(
@@ -430,29 +485,40 @@ def _split_samples(
 ) -> dict[str, Tensor]:
     """The samples of a probe split at its readout (:mod:`fslr_func.probe.split_head`): per
     chunk, the readout's products one omega at a time, then the body's vjp of the stacked
-    ``dH`` and the statistics of all the chunk's samples under vmap (a loop, with one
-    warning, where that vmap fails; later probes of the model then run unsplit)."""
+    ``dH`` (under vmap, or plain autograd's ``is_grads_batched``) and the statistics of all
+    the chunk's samples under vmap (a loop, with one warning, where the batched backward
+    fails; later probes of the model then run unsplit)."""
 
-    def sample(d_inputs: Tensor, readout: dict[str, Tensor]) -> dict[str, Tensor]:
-        grads = gradients(d_inputs)
+    def with_readout(grads: dict[str, Tensor], readout: dict[str, Tensor]) -> dict[str, Tensor]:
         for n, g in readout.items():  # plus the body's part: any use of W or b before it
             grads[n] = grads[n] + g
-        return statistics(grads, overwrite=True)
+        return grads
 
     def batched(d_inputs: Tensor, readout: dict[str, Tensor]) -> dict[str, Tensor]:
         if setup.splittable:
             try:
-                return vmap(sample)(d_inputs, readout)
+                if setup.batched_vjp_fn is not None:  # plain autograd's is_grads_batched
+                    (grads,) = setup.batched_vjp_fn(d_inputs)
+                    grads = {n: _dense(g) for n, g in grads.items()}
+                else:
+                    grads = vmap(gradients)(d_inputs)
+                stats = vmap(functools.partial(statistics, overwrite=True))
+                return stats(with_readout(grads, readout))
             except (RuntimeError, NotImplementedError) as err:
                 setup.splittable = False  # later probes run unsplit, as they did before
                 warn_once(
                     setup.model,
                     "split",
-                    f"vmap over the backward of {type(setup.model).__name__} before its "
+                    f"the batched backward of {type(setup.model).__name__} before its "
                     f"readout failed ({first_line(err)}); this probe loops over its samples "
                     "and later ones run unsplit (same result)",
                 )
-        rows = [sample(d, {n: g[i] for n, g in readout.items()}) for i, d in enumerate(d_inputs)]
+        rows = [
+            statistics(
+                with_readout(gradients(d), {n: g[i] for n, g in readout.items()}), overwrite=True
+            )
+            for i, d in enumerate(d_inputs)
+        ]
         return {n: torch.stack([r[n] for r in rows]) for n in rows[0]}
 
     chunks = []

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
@@ -68,9 +69,9 @@ __all__ = [
 
 VjpFn = Callable[[Tensor], tuple[dict[str, Tensor]]]
 """The vjp of the probe's forward: a cotangent of the output to gradients by tensor name."""
-SplitWhen = Callable[[int, torch.dtype], bool]
-"""Whether a probe whose output has this many elements of this dtype is worth splitting at
-its readout (:mod:`fslr_func.probe.split_head`)."""
+SplitWhen = Callable[[int, torch.dtype, torch.device], bool]
+"""Whether a probe whose output has this many elements of this dtype, on this device, is worth
+splitting at its readout (:mod:`fslr_func.probe.split_head`)."""
 SampleFn = Callable[[Tensor], dict[str, Tensor]]
 """One omega sample to what the sampling loop keeps of it (statistics by tensor name)."""
 TIMED_VMAP_ROWS = 3
@@ -131,26 +132,35 @@ def _autograd_vjp(
     flat_output: Callable[[dict[str, Tensor]], Tensor],
     primals: dict[str, Tensor],
     backward_context: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
-) -> tuple[Tensor, VjpFn]:
+) -> tuple[Tensor, VjpFn, VjpFn]:
+    """The output, its vjp by plain autograd, and the vjp of a batch of cotangents at once
+    (``is_grads_batched``: the backward vmapped over dim 0 of the cotangent)."""
     leaves = {n: p.detach().requires_grad_(True) for n, p in primals.items()}
     with torch.enable_grad():
         out = flat_output(leaves)
 
-    def vjp_fn(cotangent: Tensor) -> tuple[dict[str, Tensor]]:
+    def grads_of(cotangent: Tensor, batched: bool) -> tuple[dict[str, Tensor]]:
         # Activation checkpointing recomputes the forward inside this backward: it must see
         # the forward's tensors and attention kernel (functional.substituted).
         with transformable_attention() if backward_context is None else backward_context():
             grads = torch.autograd.grad(
-                out, list(leaves.values()), cotangent, retain_graph=True, allow_unused=True
+                out,
+                list(leaves.values()),
+                cotangent,
+                retain_graph=True,
+                allow_unused=True,
+                is_grads_batched=batched,
             )
+        lead = cotangent.shape[:1] if batched else ()
         return (
             {
-                n: torch.zeros_like(leaf) if g is None else g
+                n: leaf.new_zeros(lead + leaf.shape) if g is None else g
                 for (n, leaf), g in zip(leaves.items(), grads, strict=True)
             },
         )
 
-    return out.detach(), vjp_fn
+    unbatched = functools.partial(grads_of, batched=False)
+    return out.detach(), unbatched, functools.partial(grads_of, batched=True)
 
 
 @dataclass
@@ -176,6 +186,8 @@ class VjpSetup:
             (:mod:`fslr_func.probe.split_head`): :attr:`vjp_fn` then maps a cotangent of the
             readout's input ``H``, not of the output.
         splittable: whether later probes may split at the readout.
+        batched_vjp_fn: with :attr:`head` on the plain-autograd path, :attr:`vjp_fn` of a
+            batch of cotangents at once (``is_grads_batched``), gradients stacked on dim 0.
     """
 
     model: nn.Module
@@ -191,6 +203,7 @@ class VjpSetup:
     signature: Hashable | None = None
     head: SplitHead | None = None
     splittable: bool = True
+    batched_vjp_fn: VjpFn | None = None
 
     def remember(self) -> None:
         """Keep what this forward found (readout, views, the path its samples took) for the
@@ -203,6 +216,7 @@ class VjpSetup:
             self.strategy,
             self.num_outputs,
             self.dtype,
+            self.device,
             self.splittable,
         )
         remember(self.model, self.signature, found)
@@ -288,8 +302,9 @@ def prepare_vjp(
     connectivity are not checked again, the readout is not searched for, and ``"auto"`` and
     ``"timed"`` take the path that ran then (plain autograd at once where torch.func
     failed). The checks of the values (NaN or Inf in ``delta``, the inputs and the output,
-    with ``strict``) run on every call. Such a probe on the vmap path, for which ``split``
-    says yes of the output's size and dtype, splits its backward at a linear readout
+    with ``strict``) run on every call. Such a probe on the vmap or plain-autograd path, for
+    which ``split`` says yes of the output's size, dtype and device, splits its backward at a
+    linear readout
     (:mod:`fslr_func.probe.split_head`).
 
     Raises:
@@ -309,46 +324,17 @@ def prepare_vjp(
 
     head = _split_head(model, cached, split)
     if head is not None:
-        capture = HeadCapture(model.get_submodule(head.module))
+        assert cached is not None
 
-        def body_output(p: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
-            state = {**fixed, **tensors.constants(), **p}
-            with capture:
-                raw = model_forward(
-                    model, state, inputs, options.output_fn, forward_seed=options.forward_seed
-                )
-            out = as_output_tensor(raw, options.output_fn)
-            if not capture.output_is_head(out):
-                raise _NotTheHead
-            inputs_h = capture.input
-            capture.calls.clear()  # the output is returned; hold no other reference to it
-            return inputs_h, out.reshape(-1)
+        def state_of(p: dict[str, Tensor]) -> dict[str, Tensor]:
+            return {**fixed, **tensors.constants(), **p}
 
-        try:
-            inputs_h, body_vjp, out = vjp(body_output, primals, has_aux=True)  # type: ignore[misc]
-        except _NotTheHead:  # this forward's output is not the readout's: never split again
-            assert cached is not None
-            remember(model, signature, dataclasses.replace(cached, splittable=False))
-            cached = known(model, signature)
-        else:
-            assert cached is not None
-            check_output(out, finite=strict)
-            weight = {**fixed, **primals}[head.weight].detach()
-            probed = {n for n in (head.weight, head.bias) if n is not None and n in delta}
-            return VjpSetup(
-                model,
-                out.numel(),
-                out.device,
-                out.dtype,
-                body_vjp,
-                cached.readout,
-                cached.readout_module,
-                cached.views,
-                "vmap",
-                strategy,
-                signature,
-                SplitHead(head, inputs_h, weight, probed, out.dtype),
-            )
+        split_setup = _split_forward(
+            model, head, cached, signature, state_of, primals, inputs, options, strict, strategy
+        )
+        if split_setup is not None:
+            return split_setup
+        cached = known(model, signature)  # now says: never split
 
     finder = ReadoutFinder(model) if readout == "auto" and cached is None else None
     found: list[str | None] = []
@@ -389,7 +375,7 @@ def prepare_vjp(
         # A loop maps nothing over the samples: plain autograd runs the same backward, bit
         # for bit, without torch.func's wrapping of every call (3-5% of a probe on the
         # benchmark models, docs/benchmarks.md).
-        out, vjp_fn = _autograd_vjp(flat_output, primals, backward_context)
+        out, vjp_fn, _ = _autograd_vjp(flat_output, primals, backward_context)
     else:
         try:
             out, vjp_fn = _func_vjp(flat_output, primals)
@@ -398,7 +384,7 @@ def prepare_vjp(
                 raise
             found.clear()
             out_shape.clear()
-            out, vjp_fn = _autograd_vjp(flat_output, primals, backward_context)
+            out, vjp_fn, _ = _autograd_vjp(flat_output, primals, backward_context)
             warn_once(
                 model,
                 "autograd",
@@ -446,9 +432,83 @@ def _split_head(
     model: nn.Module, cached: KnownForward | None, split: SplitWhen | None
 ) -> LinearHead | None:
     """The readout to split the backward at, where an earlier probe with the same signature
-    took the vmap path and ``split`` says yes of its output; else ``None``."""
-    if split is None or cached is None or cached.strategy != "vmap" or not cached.splittable:
+    took the vmap path or plain autograd's fallback and ``split`` says yes of its output;
+    else ``None``."""
+    if split is None or cached is None or not cached.splittable:
         return None
-    if not split(cached.num_outputs, cached.output_dtype):
+    if cached.strategy not in ("vmap", "autograd") or cached.output_device is None:
+        return None
+    if not split(cached.num_outputs, cached.output_dtype, cached.output_device):
         return None
     return linear_head(model, cached.readout_module)
+
+
+def _split_forward(
+    model: nn.Module,
+    head: LinearHead,
+    cached: KnownForward,
+    signature: Hashable | None,
+    state_of: Callable[[dict[str, Tensor]], dict[str, Tensor]],
+    primals: dict[str, Tensor],
+    inputs: Inputs,
+    options: ProbeOptions,
+    strict: bool,
+    requested: str,
+) -> VjpSetup | None:
+    """The forward of a probe split at its readout (:mod:`fslr_func.probe.split_head`): the
+    model's forward under a vjp whose output is the readout's input ``H``, by
+    :func:`torch.func.vjp` or, where the earlier probe fell back to it, plain autograd (with
+    its batched vjp). ``None``, and the model never split again for ``signature``, where
+    this forward's output is not the readout's own."""
+    capture = HeadCapture(model.get_submodule(head.module))
+    outputs: list[Tensor] = []
+    last_state: list[dict[str, Tensor]] = []
+
+    def readout_input(p: dict[str, Tensor]) -> Tensor:
+        state = state_of(p)
+        last_state[:] = [state]
+        with capture:
+            raw = model_forward(
+                model, state, inputs, options.output_fn, forward_seed=options.forward_seed
+            )
+        out = as_output_tensor(raw, options.output_fn)
+        if not capture.output_is_head(out):
+            raise _NotTheHead
+        inputs_h = capture.input
+        capture.calls.clear()  # the output is kept below; hold no other reference to it
+        outputs[:] = [out.reshape(-1)]
+        return inputs_h
+
+    def with_output(p: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
+        return readout_input(p), outputs.pop()
+
+    batched_vjp: VjpFn | None = None
+    try:
+        if cached.strategy == "autograd":
+            inputs_h, body_vjp, batched_vjp = _autograd_vjp(
+                readout_input, primals, lambda: substituted(model, last_state[0])
+            )
+            out = outputs.pop().detach()
+        else:
+            inputs_h, body_vjp, out = vjp(with_output, primals, has_aux=True)  # type: ignore[misc]
+    except _NotTheHead:
+        remember(model, signature, dataclasses.replace(cached, splittable=False))
+        return None
+    check_output(out, finite=strict)
+    values = {**state_of({}), **primals}
+    probed = {n for n in (head.weight, head.bias) if n is not None and n in primals}
+    return VjpSetup(
+        model,
+        out.numel(),
+        out.device,
+        out.dtype,
+        body_vjp,
+        cached.readout,
+        cached.readout_module,
+        cached.views,
+        cached.strategy,
+        requested,
+        signature,
+        SplitHead(head, inputs_h, values[head.weight].detach(), probed, out.dtype),
+        batched_vjp_fn=batched_vjp,
+    )

@@ -45,8 +45,17 @@ class Net(nn.Module):
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A chunk budget under one omega sample of :class:`Net` (3 x 5 x 3000 floats)."""
+    """A chunk budget under one omega sample of :class:`Net` (3 x 5 x 3000 floats), and the
+    split allowed on a CPU (where it is slower, so off by default) as on a GPU."""
     monkeypatch.setattr(sampling, "CHUNK_BYTES", 100_000)
+    on_a_gpu = sampling.split_worthwhile
+
+    def anywhere(
+        samples: int, num_outputs: int, dtype: torch.dtype, device: Any, **kw: Any
+    ) -> bool:
+        return on_a_gpu(samples, num_outputs, dtype, torch.device("cuda"), **kw)
+
+    monkeypatch.setattr(sampling, "split_worthwhile", anywhere)
     yield
 
 
@@ -103,6 +112,25 @@ def assert_split_matches_loop(
 def test_split_probe_gives_the_unsplit_statistics(bias: bool, split_calls: list[int]) -> None:
     model = Net(bias=bias)
     assert_split_matches_loop(model, unit_delta(model), split_calls)
+
+
+@pytest.mark.usefixtures("small_chunks")
+def test_split_on_the_plain_autograd_path_batches_the_body(split_calls: list[int]) -> None:
+    # Where torch.func failed (a forward in autocast, as Trainer(bf16=True) runs it) the
+    # probe runs on plain autograd; split, its body's backward is batched by
+    # is_grads_batched, with no fallback to a loop (no warning).
+    model = Net()
+    delta = unit_delta(model)
+    x = torch.randn(3, 5, 6, generator=torch.Generator().manual_seed(0))
+    reference = log_stats(model, x, delta, strategy="loop")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        log_stats(model, x, delta, strategy="autograd")
+        assert split_calls[0] == 0
+        split = log_stats(model, x, delta, strategy="autograd")
+    assert split_calls[0] == 8
+    for n in reference:
+        torch.testing.assert_close(split[n], reference[n], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.usefixtures("small_chunks")
@@ -179,6 +207,15 @@ def test_no_split_where_the_omegas_fit_one_chunk(split_calls: list[int]) -> None
     x, delta = torch.randn(3, 5, 6), unit_delta(model)
     for _ in range(2):
         log_stats(model, x, delta, strategy="vmap")
+    assert split_calls[0] == 0
+
+
+def test_no_split_on_a_cpu(split_calls: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampling, "CHUNK_BYTES", 100_000)  # omegas that do not fit a chunk
+    model = Net()
+    x, delta = torch.randn(3, 5, 6), unit_delta(model)
+    for strategy in ("vmap", "vmap", "autograd", "autograd"):
+        log_stats(model, x, delta, strategy=strategy)
     assert split_calls[0] == 0
 
 
