@@ -304,8 +304,7 @@ def prepare_vjp(
     failed). The checks of the values (NaN or Inf in ``delta``, the inputs and the output,
     with ``strict``) run on every call. Such a probe on the vmap or plain-autograd path, for
     which ``split`` says yes of the output's size, dtype and device, splits its backward at a
-    linear readout
-    (:mod:`fslr_func.probe.split_head`).
+    linear readout (:mod:`fslr_func.probe.split_head`).
 
     Raises:
         ValueError: bad names or shapes (:func:`~fslr_func.probe.functional.evaluation_point`); a
