@@ -377,7 +377,8 @@ def _run(
             f"the torch.func backward of the FSLR probe failed for {type(model).__name__} "
             f"({first_line(err)}; e.g. a forward wrapped in autocast, as accelerate and "
             "Trainer(bf16=True) do); the probe falls back to plain autograd, one backward per "
-            "sample (same result, slower)",
+            "sample (for a language model on a GPU, batched before its readout; same result, "
+            "slower)",
         )
         setup = prepare_vjp(
             model, inputs, delta, options.replace(strategy="autograd"), params=params, strict=strict
