@@ -160,8 +160,16 @@ def trace(fns: dict[str, Callable[[], object]], out: Path | None, kind: str) -> 
     """Where a call's time goes on the device: launches, device busy time, wall time.
 
     One profiled call of each case (after the timed rounds warmed it); the full operator table
-    goes to ``out/trace-<kind>.txt`` when ``--out`` is given.
+    goes to ``out/trace-<kind>.txt`` when ``--out`` is given. A diagnosis: where the profiler
+    fails it says so, and the figures still print.
     """
+    try:
+        _trace(fns, out, kind)
+    except Exception as err:
+        print(f"  trace {kind} failed: {err!r}")
+
+
+def _trace(fns: dict[str, Callable[[], object]], out: Path | None, kind: str) -> None:
     tables = []
     for name, fn in fns.items():
         torch.cuda.synchronize()
@@ -211,15 +219,11 @@ def llama_speed(
         warnings.simplefilter("ignore")
         times, _ = probe.interleaved(fns, rounds, sync)
     ratios = {
-        name: statistics.median(
-            s / e for s, e in zip(times["sequential"], times[name], strict=True)
-        )
+        name: probe.median_ratio(times["sequential"], times[name])
         for name in fns
         if name.startswith("estimate")
     }
-    bf16_ratio = statistics.median(
-        s / e for s, e in zip(times["bf16 sequential"], times["bf16 estimate"], strict=True)
-    )
+    bf16_ratio = probe.median_ratio(times["bf16 sequential"], times["bf16 estimate"])
     ratio = ratios["estimate"]
     print(f"\nthin Llama, vocabulary {llm.VOCAB}, batch {llm.BATCH}, seq {seq}, S={samples}:")
     for name, t in times.items():
@@ -232,12 +236,8 @@ def llama_speed(
     for name in fns:
         result[f"median {name}"] = statistics.median(times[name])
     if ids.is_cuda:
-        try:
-            traced = ("estimate", "sequential", "bf16 estimate", "bf16 sequential")
-            trace({k: fns[k] for k in traced}, out, "llama")
-        except Exception as err:  # the trace is a diagnosis; the figures must still print
-            print(f"  trace llama failed: {err!r}")
-    if ids.is_cuda:
+        traced = ("estimate", "sequential", "bf16 estimate", "bf16 sequential")
+        trace({k: fns[k] for k in traced}, out, "llama")
         peaks = {}
         for name in (n for n in fns if not n.endswith("sequential")):
             sync()
@@ -285,10 +285,7 @@ def main() -> None:
             )
         results[kind] = ratios
         if args.device.startswith("cuda"):
-            try:
-                trace({k: fns[k] for k in ("estimate", "sequential")}, args.out, kind)
-            except Exception as err:  # the trace is a diagnosis; the figures must still print
-                print(f"  trace {kind} failed: {err!r}")
+            trace({k: fns[k] for k in ("estimate", "sequential")}, args.out, kind)
     model, ids, _, _ = built["llama"]
     results["llama"] = llama_speed(model, ids, args.samples, rounds, sync, seq, args.out)
     if args.out is not None:

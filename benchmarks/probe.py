@@ -286,6 +286,11 @@ def verdict(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
 
+def median_ratio(numerators: list[float], denominators: list[float]) -> float:
+    """The median over interleaved rounds of the per-round ratio."""
+    return statistics.median(n / d for n, d in zip(numerators, denominators, strict=True))
+
+
 def report_speed(
     kind: str, samples: int, times: dict[str, list[float]], faults: dict[str, list[int]]
 ) -> dict[str, float]:
@@ -299,10 +304,9 @@ def report_speed(
     for name, t in med.items():
         print(f"  {name:<18} {t:8.4f}  {statistics.median(faults[name]):8.0f} faults")
     seq = times["sequential"]
-    one_shot = statistics.median(s / e for s, e in zip(seq, times["estimate"], strict=True))
-    wrapped = statistics.median(
-        s / (m - g) for s, m, g in zip(seq, times["measure"], times["sgd step"], strict=True)
-    )
+    one_shot = median_ratio(seq, times["estimate"])
+    stepless = [m - g for m, g in zip(times["measure"], times["sgd step"], strict=True)]
+    wrapped = median_ratio(seq, stepless)
     forward = med["forward"]
     backward = med["forward+backward"] - forward
     top = ceiling(samples, forward, backward)

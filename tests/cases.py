@@ -251,30 +251,32 @@ class Scripted(nn.Module):
         return self.head(self.block(torch.tanh(self.inp(x))))
 
 
-class SparseEmbedding(nn.Module):
-    """``Embedding(sparse=True)``: the probe's gradient is a sparse tensor."""
+class _EmbeddingHead(nn.Module):
+    """An embedding of ``vocab`` tokens in ``dim`` dims, mean-pooled, and a linear head."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int, dim: int, **embedding: Any) -> None:
         super().__init__()
-        self.emb = nn.Embedding(10, 4, sparse=True)
-        self.head = nn.Linear(4, 3)
+        self.emb = nn.Embedding(vocab, dim, **embedding)
+        self.head = nn.Linear(dim, 3)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.head(torch.tanh(self.emb(x)).mean(1))
 
 
-class FreqScaledEmbedding(nn.Module):
+class SparseEmbedding(_EmbeddingHead):
+    """``Embedding(sparse=True)``: the probe's gradient is a sparse tensor."""
+
+    def __init__(self) -> None:
+        super().__init__(10, 4, sparse=True)
+
+
+class FreqScaledEmbedding(_EmbeddingHead):
     """``Embedding(scale_grad_by_freq=True)``: its backward divides a row's gradient by the
     count of its token in the batch, so the probe runs it unscaled (a repeated token would
     read too small)."""
 
     def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(4, 5, scale_grad_by_freq=True)
-        self.head = nn.Linear(5, 3)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.head(torch.tanh(self.emb(x)).mean(1))
+        super().__init__(4, 5, scale_grad_by_freq=True)
 
 
 class Recurrent(nn.Module):

@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 
 from ..stats.estimator import ReadoutRole
 
-__all__ = ["ReadoutFinder", "readout_module", "readout_roles"]
+__all__ = ["ReadoutFinder", "readout_module", "readout_roles", "tied"]
 
 
 class ReadoutFinder:
@@ -137,6 +137,22 @@ def _own_tensors(module: nn.Module) -> bool:
     )
 
 
+def tied(model: nn.Module, tensor: Tensor) -> bool:
+    """Whether ``tensor`` is not exactly one of ``model``'s parameters: shared under another
+    name too (GPT-2's head and embedding), or no parameter at all (a tensor computed from
+    one, as legacy ``weight_norm`` sets).
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5))
+        >>> tied(model, model[1].weight)
+        False
+        >>> model[1].weight = model[0].weight
+        >>> tied(model, model[1].weight)
+        True
+    """
+    return sum(p is tensor for _, p in model.named_parameters(remove_duplicate=False)) != 1
+
+
 def readout_roles(
     model: nn.Module, module_name: str | None, trainable: Mapping[str, Tensor], num_outputs: int
 ) -> dict[str, ReadoutRole]:
@@ -152,8 +168,8 @@ def readout_roles(
     roles: dict[str, ReadoutRole] = {}
     weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
     w_name, b_name = prefix + "weight", prefix + "bias"
-    uses = sum(p is weight for _, p in model.named_parameters(remove_duplicate=False))
-    if isinstance(weight, Tensor) and w_name in trainable and uses == 1 and weight.dim() == 2:
+    untied = isinstance(weight, Tensor) and not tied(model, weight)
+    if isinstance(weight, Tensor) and w_name in trainable and untied and weight.dim() == 2:
         if weight.shape[0] == num_outputs:
             roles[w_name] = "weight"
         else:  # only a named module can miss: the one found computed the output

@@ -356,7 +356,9 @@ def _run(
             reduction.abort(delta, options.samples)
         raise
     signature = setup.signature
-    rewind = _omega_rewind(generator, setup.device) if reduction is None else None
+    retriable = options.strategy in ("auto", "timed") and setup.strategy != "autograd"
+    # what a retry needs to draw the same omegas, kept only where one can happen
+    rewind = _omega_rewind(generator, setup.device) if retriable and reduction is None else None
     try:
         result = _sample(setup, delta, options, generator, reduction)
     except RuntimeError as err:
@@ -365,11 +367,7 @@ def _run(
         # where the casts are not differentiated. Plain autograd works for any forward. Not
         # after a failed collective: a retry would issue collectives the other ranks never
         # join.
-        if (
-            options.strategy not in ("auto", "timed")
-            or setup.strategy == "autograd"
-            or isinstance(err, torch.distributed.DistError)
-        ):
+        if not retriable or isinstance(err, torch.distributed.DistError):
             raise
         warn_once(
             model,
@@ -434,11 +432,12 @@ def _sample(
     # Z, so omega goes in unscaled and log M comes off the log statistics (no scaled copy).
     log_shift = -math.log(where.total)
     home = where.generator.device if where.generator is not None else setup.device
-    chunk = options.chunk_size or chunk_size_for(
-        options.samples, where.draw, setup.dtype.itemsize, delta
-    )
     if setup.head is not None:  # one omega at a time: the buffer holds one sample
         chunk = max(1, min(options.samples, split_chunk_size(setup.head, where.draw, delta)))
+    else:
+        chunk = options.chunk_size or chunk_size_for(
+            options.samples, where.draw, setup.dtype.itemsize, delta
+        )
     rows_drawn = 1 if setup.head is not None else min(chunk, options.samples)
     buffer = torch.empty((rows_drawn, where.draw), dtype=OMEGA_DTYPE, device=home)
 

@@ -50,6 +50,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from .readout import tied
+
 __all__ = ["HeadCapture", "LinearHead", "SplitHead", "linear_head"]
 
 
@@ -83,9 +85,7 @@ def linear_head(model: nn.Module, module_name: str | None) -> LinearHead | None:
         or parametrize.is_parametrized(module)
     ):
         return None
-    everywhere = [p for _, p in model.named_parameters(remove_duplicate=False)]
-    own = {"weight": module.weight, "bias": module.bias}
-    if any(sum(p is t for p in everywhere) != 1 for t in own.values() if t is not None):
+    if any(tied(model, t) for t in (module.weight, module.bias) if t is not None):
         return None
     prefix = f"{module_name}." if module_name else ""
     bias = f"{prefix}bias" if module.bias is not None else None
