@@ -76,7 +76,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,6 +93,7 @@ from ..training.wrapper import FSLRModule
 
 __all__ = [
     "VARIANTS",
+    "FeatureSpaceWindowFLeRM",
     "FeatureWindowFLeRM",
     "GainTrackingFLeRM",
     "GainTrackingRecorder",
@@ -178,13 +179,17 @@ class WindowFLeRM(FLeRM):
         self.window = (lo, hi)
         self.cumulative = cumulative
         self.every = every
-        self._recorder = Recorder(
-            fm,
+        self._recorder = self._window_recorder(probe_batches, lo)
+
+    def _window_recorder(self, probe_batches: Iterable[Inputs], start_step: int) -> Recorder:
+        """The recorder of the window's probes (a hook for subclasses)."""
+        return Recorder(
+            self.fm,
             probe_batches,
             optimizer=self.optimizer,
-            warmup_samples=fm.samples,
-            every=every,
-            start_step=lo,
+            warmup_samples=self.fm.samples,
+            every=self.every,
+            start_step=start_step,
         )
 
     @property
@@ -312,6 +317,78 @@ class FeatureWindowFLeRM(WindowFLeRM):
         if self.raise_only:
             return {n: max(r, self.ratios.get(n, r)) for n, r in adjusted.items()}
         return adjusted
+
+
+class FeatureSpaceWindowFLeRM(FeatureWindowFLeRM):
+    r""":class:`FeatureWindowFLeRM` (hidden tensors only) with the window matched in feature
+    space: each hidden tensor's movement of the *features* (the readout's input), summed over
+    the window's probes, is the base's,
+
+    .. math::
+
+        r_W = \frac{\sum_s T_W(s) / G^\text{base}_W(s)}
+                   {\sum_s \mathrm{FSLR}_W(s) / G^\text{scaled}_W(s)},
+
+    with :math:`G_W(s)` the feature gain of the update probed at step :math:`s` (output over
+    feature movement, :func:`~fslr_func.training.feature_gains.step_gains`; the base's from
+    :class:`GainTrackingRecorder`). :class:`FeatureWindowFLeRM` multiplies the window's
+    output-matched ratio by the gain ratio of step 0; this one reads the gains of every probe
+    in the window, so that a drift of the gains after Adam's first step (the update's
+    alignment with the features fading, faster at larger width) is matched too. A hidden
+    tensor without a gain at some probe of the window keeps its step-0 rate.
+
+    Args:
+        *args: :class:`WindowFLeRM`'s (the base record from :class:`GainTrackingRecorder`).
+        **kwargs: :class:`WindowFLeRM`'s.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, hidden_only=True, **kwargs)
+
+    def _window_recorder(self, probe_batches: Iterable[Inputs], start_step: int) -> Recorder:
+        """The window's recorder, keeping the hidden tensors' gains of every probe."""
+        return GainTrackingRecorder(
+            self.fm,
+            probe_batches,
+            optimizer=self.optimizer,
+            warmup_samples=self.fm.samples,
+            every=self.every,
+            start_step=start_step,
+            names=set(self._hidden()),
+        )
+
+    def _rematch(self, t: int) -> None:
+        rec = self._recorder.record
+        base_at = self.base.meta.get("feature_gain_at", {})
+        scaled_at = rec.meta.get("feature_gain_at", {})
+        prefix = self.fm.name_prefix
+        num: dict[str, float] = {}
+        den: dict[str, float] = {}
+        bad: set[str] = set()
+        for s in rec.steps:
+            targets = self.targets.at(s, self.names, self._note_each)
+            fslrs = rec.at(s, unknown="omit")
+            scaled, base = scaled_at.get(str(s), {}), base_at.get(str(s), {})
+            for bare in self._hidden():
+                name = prefix + bare
+                parts = (targets.get(name), fslrs.get(name), base.get(bare), scaled.get(bare))
+                if any(v is None or not (0 < v < math.inf) for v in parts):
+                    bad.add(name)
+                    continue
+                tgt, got, gb, gs = (float(v) for v in parts)  # type: ignore[arg-type]
+                num[name] = num.get(name, 0.0) + tgt / gb
+                den[name] = den.get(name, 0.0) + got / gs
+        ratios = {n: num[n] / den[n] for n in num if n not in bad}
+        self.ratios.update({n: r for n, r in ratios.items() if n in self.ratios})
+        self.history.append(
+            SetPoint(
+                step=t,
+                lrs=self.lrs(),
+                fslr=rec.at(rec.steps[-1], unknown="omit"),
+                targets=self.targets.at(rec.steps[-1], self.names, self._note_each),
+                held=tuple(n for n in self.names if n not in ratios),
+            )
+        )
 
 
 def _readout_scale(ratios: Iterable[float]) -> float:
@@ -471,14 +548,23 @@ class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
 class GainTrackingRecorder(Recorder):
     """A base run's recorder that also keeps the feature gains of every recorded update, in
     ``record.meta["feature_gain_at"]`` (step -> tensor -> gain), for
-    :class:`GainTrackingFLeRM` (``feature_gains`` is on)."""
+    :class:`GainTrackingFLeRM` and :class:`FeatureSpaceWindowFLeRM` (``feature_gains`` is
+    on).
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    Args:
+        *args: :class:`~fslr_func.training.recorder.Recorder`'s.
+        names: the tensors whose gains are kept, by bare name (default: every tensor the
+            update moved).
+        **kwargs: :class:`~fslr_func.training.recorder.Recorder`'s.
+    """
+
+    def __init__(self, *args: Any, names: Collection[str] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "feature_gains": True})
+        self.gain_names = names
 
     def _measured(self, m: Any) -> None:
         at = self.record.meta.setdefault("feature_gain_at", {})
-        at[str(self.t)] = step_gains(self.fm, m)
+        at[str(self.t)] = step_gains(self.fm, m, self.gain_names)
         super()._measured(m)
 
 
@@ -662,6 +748,13 @@ VARIANTS: dict[str, Variant] = {
         "feature_window30, the window re-matching the hidden tensors only",
         {"beta": 0.0, "samples": 32},
         recorder=_GAINS,
+    ),
+    "feature_fwindow30h": Variant(
+        _window(0.3, cumulative=False, cls=FeatureSpaceWindowFLeRM),
+        "feature, then the hidden tensors' feature movement matched over steps 10..30% of the "
+        "budget (gains measured at every probe, base and scaled)",
+        {"beta": 0.0, "samples": 32},
+        recorder=GainTrackingRecorder,
     ),
     "feature_window30h_p15": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True, feature_power=1.5),

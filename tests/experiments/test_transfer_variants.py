@@ -14,6 +14,7 @@ from fslr_func.experiments.configs import SweepConfig
 from fslr_func.experiments.sweep import run_sweep
 from fslr_func.experiments.variants import (
     VARIANTS,
+    FeatureSpaceWindowFLeRM,
     GainTrackingFLeRM,
     GainTrackingRecorder,
     HiddenWidthPolicy,
@@ -201,6 +202,25 @@ def test_gain_tracking_re_measures_the_factors_against_the_base_at_each_set_poin
     assert last.lrs["2.weight"] != pytest.approx(first.lrs["2.weight"])  # re-measured
 
 
+def test_feature_space_window_matches_the_hidden_tensors_feature_movement_over_the_window():
+    base = _run(8, recorder=GainTrackingRecorder).record
+    flerm = _run(32, base, cls=FeatureSpaceWindowFLeRM, window=(2, 6), steps=8)
+    assert [p.step for p in flerm.history] == [0, 6]
+    first, last = flerm.history
+    rec = flerm.window_record
+    assert rec.steps == [2, 4, 6]
+    scaled_at, base_at = rec.meta["feature_gain_at"], base.meta["feature_gain_at"]
+    assert all(set(scaled_at[str(s)]) == {"2.weight"} for s in rec.steps)  # hidden only
+    num = sum(base.at(s)["2.weight"] / base_at[str(s)]["2.weight"] for s in rec.steps)
+    den = sum(rec.at(s)["2.weight"] / scaled_at[str(s)]["2.weight"] for s in rec.steps)
+    assert last.lrs["2.weight"] == pytest.approx(1e-2 * num / den, rel=1e-6)
+    assert last.lrs["2.weight"] != pytest.approx(first.lrs["2.weight"], rel=1e-3)
+    # every other tensor keeps its step-0 rate
+    assert {n: r for n, r in last.lrs.items() if n != "2.weight"} == {
+        n: r for n, r in first.lrs.items() if n != "2.weight"
+    }
+
+
 def test_readout_gain_scales_the_readout_once_and_rates_the_rest_by_its_inverse():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     output = _run(32, base, cls=ff.FLeRM)
@@ -281,3 +301,35 @@ def test_readout_width_scales_the_readout_by_muPs_factor_before_the_first_step()
 def test_the_measured_readout_variants_are_registered():
     names = {"readout_init", "readout_init_static", "readout_width", "readout_init_window30h"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
+
+
+def test_a_base_run_with_its_own_allocation_is_transferred_by_flerm():
+    from fslr_func.experiments.run import RunSpec, execute
+    from fslr_func.experiments.task import builtin_task
+
+    config = SweepConfig(**{**_tiny_flerm(scales=(1, 8), steps=3), "modes": ("standard",)})
+    task = builtin_task(config)
+    hidden = {"blocks.0.linear.weight": 4.0}
+    runs = {
+        k: execute(task, config, RunSpec("standard", 1.0, 0.01, 0), record=True, lr_factors=f)
+        for k, f in (("plain", None), ("factored", hidden))
+    }
+    plain, factored = runs["plain"][1], runs["factored"][1]
+    assert factored.meta["base_lr"] == 0.01  # not the first group's, whatever the order
+    assert factored.lrs_at(0)["blocks.0.linear.weight"] == pytest.approx(0.04)
+    assert factored.lrs_at(0)["blocks.1.linear.weight"] == pytest.approx(0.01)
+    flerm = {
+        k: execute(task, config, RunSpec("flerm", 8.0, 0.01, 0), rec)[0]["flerm"]["lrs"]
+        for k, rec in (("plain", plain), ("factored", factored))
+    }
+    # the same first update (the base's step 0 is before any rate acts), targets 4x: rate 4x
+    assert flerm["factored"]["blocks.0.linear.weight"] == pytest.approx(
+        4 * flerm["plain"]["blocks.0.linear.weight"], rel=1e-6
+    )
+    assert flerm["factored"]["blocks.1.linear.weight"] == pytest.approx(
+        flerm["plain"]["blocks.1.linear.weight"], rel=1e-6
+    )
+    with pytest.raises(ValueError, match="lacks"):
+        execute(task, config, RunSpec("standard", 1.0, 0.01, 0), lr_factors={"nope": 2.0})
+    with pytest.raises(ValueError, match="standard training only"):
+        execute(task, config, RunSpec("flerm", 8.0, 0.01, 0), plain, lr_factors=hidden)
