@@ -81,6 +81,11 @@ EXTRA_CELLS: dict[str, SweepConfig] = {
     "conv1d-w16-s600": _cell("resconv", 600, 2),
     # the transformer cell with the 3 seeds of the PreNorm sweep above (benchmarks/transfer.py)
     "transformer-d16-s150-3seeds": _cell("transformer", 150, 3, width=16, lrs=octaves(-10, -3)),
+    # data repetition against budget: the 600-step ResMLP on four times the data (about one
+    # pass, as the 150-step cell), and the 150-step one on a quarter (about four passes, as
+    # the 600-step cell)
+    "resmlp-w32-s600-fresh": _cell("resmlp", 600, 3, num_samples=100_000),
+    "resmlp-w32-s150-rep": _cell("resmlp", 150, 3, num_samples=6_000),
 }
 #: Held-out cells: combinations of data, budget and base width that no variant or option was
 #: chosen on (named before any of them was run), to check that the matrix's findings hold off it.

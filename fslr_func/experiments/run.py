@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 import time
 import warnings
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import torch
@@ -140,6 +141,7 @@ def execute(
     base: FSLRRecord | None = None,
     *,
     record: bool = False,
+    lr_factors: Mapping[str, float] | None = None,
 ) -> tuple[dict[str, Any], FSLRRecord | None]:
     """Train one run; a pure function of its arguments.
 
@@ -150,6 +152,9 @@ def execute(
         spec: mode, scale, learning rate and seed.
         base: the base record of ``spec.lr`` (FLeRM mode only).
         record: in standard mode, record the run's FSLRs (the base runs).
+        lr_factors: in standard mode, tensor name -> a factor on its learning rate (one param
+            group per tensor; the record keeps each tensor's rate, which FLeRM transfers,
+            :mod:`fslr_func.training.flerm_targets`): a base run with its own allocation.
 
     Returns:
         The run's result (JSON-able: ``loss`` is the mean of the last ``config.last`` losses,
@@ -158,6 +163,8 @@ def execute(
     """
     if spec.mode not in MODES:
         raise ValueError(f"unknown mode {spec.mode!r}; choose one of {MODES}")
+    if lr_factors and spec.mode != "standard":
+        raise ValueError(f"lr_factors applies to standard training only, not {spec.mode!r}")
     if spec.mode == "flerm" and base is None:
         raise ValueError("a FLeRM run needs the base record of its learning rate")
     start = time.perf_counter()
@@ -174,6 +181,14 @@ def execute(
             model, shapes, spec.lr, weight_decay=config.weight_decay, optimizer=config.optimizer
         )
         mup_lrs = {g["name"]: g["lr"] for g in params}
+    elif lr_factors:
+        unknown = set(lr_factors) - {n for n, _ in model.named_parameters()}
+        if unknown:
+            raise ValueError(f"lr_factors names tensors the model lacks: {sorted(unknown)[:5]}")
+        params = [
+            {"params": [w], "lr": spec.lr * lr_factors.get(n, 1.0)}
+            for n, w in model.named_parameters()
+        ]
     variant = None if config.flerm_variant is None else VARIANTS[config.flerm_variant]
     # a variant's probe options apply to its FLeRM runs and to the base runs it records
     probe: dict[str, Any] = {"samples": config.samples}
@@ -221,6 +236,7 @@ def execute(
             warmup_samples=config.warmup_samples,
             every=config.every,
             scheduler=sched,
+            base_lr=spec.lr if lr_factors else None,  # the first group's may be factored
             meta={"seed": spec.seed, "scale": spec.scale, "lr": spec.lr},
         )
         rec = recorder
