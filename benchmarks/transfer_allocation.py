@@ -50,7 +50,7 @@ from fslr_func.io.record import FSLRRecord
 from fslr_func.training.feature_gains import hidden_fan_in
 
 sys.path.insert(0, str(Path(__file__).parent))
-from transfer_matrix import CELLS, EXTRA_CELLS, HELD_OUT_CELLS
+from transfer_matrix import BUDGET_CELLS, CELLS, EXTRA_CELLS, HELD_OUT_CELLS
 
 Job = tuple[str, float, float, int, float]
 """(mode, scale, lr, seed, h): one run; ``h`` the hidden factor of a base run (1 otherwise)."""
@@ -177,7 +177,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("fslr_runs/allocation"))
     args = p.parse_args(argv)
-    cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS}
+    cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS}
     config = dataclasses.replace(cells[args.cell], flerm_variant="feature")
     out = args.out / args.cell
     out.mkdir(parents=True, exist_ok=True)

@@ -100,6 +100,17 @@ HELD_OUT_CELLS: dict[str, SweepConfig] = {
     ),
 }
 
+#: Held-out cells of the budget rule (``feature_budget``, :func:`budget_power`: fitted on the
+#: 150 and 600-step cells), named before any of them was run: budgets it was not fitted at,
+#: on the data, families and base widths of the matrix.
+BUDGET_CELLS: dict[str, SweepConfig] = {
+    "resmlp-w32-s75": _cell("resmlp", 75, 3),
+    "resmlp-w32-s1200": _cell("resmlp", 1200, 2),
+    "resmlp-aug-w32-s600": _cell("resmlp", 600, 2, data="digits_aug"),
+    "conv2d-bn-w8-s300": _cell("resconv_bn", 300, 2, data="digits_aug", width=8),
+    "transformer-d16-s300": _cell("transformer", 300, 2, width=16, lrs=octaves(-10, -3)),
+}
+
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or not math.isfinite(x) else format(x, spec)
@@ -214,7 +225,7 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
 def _base_rate(text: str, parser: argparse.ArgumentParser) -> tuple[str, float]:
     """``CELL=LR`` of ``--base-rate``."""
     cell, _, lr = text.partition("=")
-    if cell not in {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS}:
+    if cell not in {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS}:
         parser.error(f"--base-rate: unknown cell {cell!r}; --list names them")
     try:
         (rate,) = parse_lrs(lr)
@@ -245,9 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.list:
-        print("\n".join([*CELLS, *EXTRA_CELLS, *HELD_OUT_CELLS]))
+        print("\n".join([*CELLS, *EXTRA_CELLS, *HELD_OUT_CELLS, *BUDGET_CELLS]))
         return 0
-    cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS}
+    cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS}
     names = args.cells.split(",") if args.cells else list(CELLS)
     unknown = [n for n in names if n not in cells]
     if unknown:

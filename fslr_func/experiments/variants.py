@@ -92,6 +92,7 @@ from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
 
 __all__ = [
+    "BUDGET_POWER_STEPS",
     "VARIANTS",
     "FeatureSpaceWindowFLeRM",
     "FeatureWindowFLeRM",
@@ -103,6 +104,7 @@ __all__ = [
     "ReadoutWidthFLeRM",
     "Variant",
     "WindowFLeRM",
+    "budget_power",
     "window_ratios",
 ]
 
@@ -696,6 +698,30 @@ def _flerm(
     return make
 
 
+BUDGET_POWER_STEPS = 150
+"""The budget at which :func:`budget_power` is 1 (the matrix's 150-step cells)."""
+
+
+def budget_power(steps: int, slope: float = 0.25) -> float:
+    r"""``feature_power`` for a run of ``steps`` steps: :math:`\max(0, 1 + s \log_2(T / 150))`,
+    1 at 150 steps and 1.5 at 600 (the powers that were within 2% of re-tuning on the
+    matrix's 150 and 600-step cells; docs/reproduction.md), :math:`s` = ``slope`` per
+    doubling of the budget. Fitted on those cells, not derived.
+
+    Examples:
+        >>> budget_power(150), budget_power(300), budget_power(600), round(budget_power(60), 3)
+        (1.0, 1.25, 1.5, 0.67)
+    """
+    return max(0.0, 1.0 + slope * math.log2(steps / BUDGET_POWER_STEPS))
+
+
+def _feature_budget(
+    fm: FSLRModule, optimizer: torch.optim.Optimizer, base: FSLRRecord, *, steps: int, **kw: Any
+) -> FLeRM:
+    options = {**kw, "match": "features", "feature_power": budget_power(steps)}
+    return FLeRM(fm, optimizer, base, **options)
+
+
 VARIANTS: dict[str, Variant] = {
     "window30": Variant(
         _window(0.3, cumulative=False),
@@ -735,6 +761,12 @@ VARIANTS: dict[str, Variant] = {
     "feature_p15": Variant(
         _flerm(match="features", feature_power=1.5),
         "feature with its hidden factors to the power 1.5",
+        recorder=_GAINS,
+    ),
+    "feature_budget": Variant(
+        _feature_budget,
+        "feature with its hidden factors to the power budget_power(steps): 1 at 150 steps, "
+        "1.5 at 600",
         recorder=_GAINS,
     ),
     "feature_window30": Variant(
