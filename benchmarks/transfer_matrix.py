@@ -151,16 +151,18 @@ HEADER = (
 )
 
 
-def compact(doc: Mapping[str, Any], variants: Sequence[str]) -> str:
+def compact(doc: Mapping[str, Any], variants: Sequence[str], *, test: bool = False) -> str:
     """One table: per cell, FLeRM's, each variant's and muP's shift and ratio to re-tuned
-    standard training (``shift; ratio``), lowest ratio of the row in bold."""
+    standard training (``shift; ratio``), lowest ratio of the row in bold; ``test``: the
+    ratio of the test losses at the same rates (those chosen by training loss)."""
+    mine, ref = ("test", "best_test") if test else ("mean", "best_loss")
     labels = ["FLeRM", *variants, "muP"]
     lines = [
         "| cell | " + " | ".join(labels) + " |",
         "|---|" + "---|" * len(labels),
     ]
     for name, d in doc.items():
-        std_best = d["main"]["modes"]["standard"].get("best_loss")
+        std_best = d["main"]["modes"]["standard"].get(ref)
         cells = []
         for label in labels:
             if label == "FLeRM":
@@ -169,7 +171,7 @@ def compact(doc: Mapping[str, Any], variants: Sequence[str]) -> str:
                 e = d["main"]["modes"].get("mup", {})
             else:
                 e = (d["variants"].get(label) or {"modes": {}})["modes"].get("flerm", {})
-            mean = e.get("at_tuned", {}).get("mean")
+            mean = e.get("at_tuned", {}).get(mine)
             r = mean / std_best if mean is not None and std_best else None
             cells.append((r, f"{_shift(e)}; {_fmt(r)}"))
         best = min((r for r, _ in cells if r is not None), default=None)
@@ -254,11 +256,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         metavar="CELL=LR",
         help="with --variant: skip CELL's main runs, run the variants at b = LR (2^k allowed)",
     )
+    p.add_argument(
+        "--top-scale",
+        type=int,
+        default=None,
+        help="run the cells at this width multiple instead of 8 (folders CELL@Kx)",
+    )
     args = p.parse_args(argv)
     if args.list:
         print("\n".join([*CELLS, *EXTRA_CELLS, *HELD_OUT_CELLS, *BUDGET_CELLS]))
         return 0
     cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS}
+    if args.top_scale is not None:
+        k = args.top_scale
+        cells = {n: c.replace(scales=(c.base_scale, c.base_scale * k)) for n, c in cells.items()}
+        args.out = args.out.with_name(f"{args.out.name}@{k}x")
     names = args.cells.split(",") if args.cells else list(CELLS)
     unknown = [n for n in names if n not in cells]
     if unknown:
@@ -287,7 +299,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 at = flerm["at_tuned"]
                 print(
                     f"{name} {variant}: shift {flerm['shift']:+.0f}; loss at b "
-                    f"{at['mean']:.4f} (sd {at['sd']:.4f}); best {flerm['best_loss']:.4f}",
+                    f"{at['mean']:.4f} (sd {at['sd']:.4f}); best {flerm['best_loss']:.4f}; "
+                    f"test loss at b {_fmt(at.get('test'), '.4f')}",
                     flush=True,
                 )
     for name in [n for n in names if n not in given]:
@@ -313,6 +326,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(row(name, d["main"], d["variants"][variant] if variant else None))
     if args.variant and doc:
         print(f"\n{compact(doc, args.variant)}")
+        print(
+            "\ntest losses at the same rates (chosen by training loss), over re-tuned standard "
+            f"training's:\n{compact(doc, args.variant, test=True)}"
+        )
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))

@@ -114,16 +114,22 @@ def run_specs(
 
 
 def _losses(
-    runs: Mapping[str, Mapping[str, Any]], mode: str, scale: float, lr: float, seeds: int
+    runs: Mapping[str, Mapping[str, Any]],
+    mode: str,
+    scale: float,
+    lr: float,
+    seeds: int,
+    field: str = "loss",
 ) -> list[float] | None:
-    """Per-seed losses of a (mode, scale, lr) cell; ``inf`` for a diverged seed; ``None``
-    if a seed has not run."""
+    """Per-seed losses of a (mode, scale, lr) cell; ``inf`` for a diverged seed (or one
+    without ``field``: a task without a test split has no ``test_loss``); ``None`` if a seed
+    has not run."""
     out = []
     for seed in range(seeds):
         data = runs.get(RunSpec(mode, scale, lr, seed).key)
         if data is None:
             return None
-        out.append(math.inf if data.get("loss") is None else float(data["loss"]))
+        out.append(math.inf if data.get(field) is None else float(data[field]))
     return out
 
 
@@ -242,8 +248,11 @@ def cell_summary(
 
     Returns:
         ``{"tuned": b, "base_loss": mean loss at b at 1x, "modes": {mode: {"best_lr",
-        "shift" (octaves from b), "best_loss", "at_tuned": {"mean", "sd", "losses"},
-        "ratio": transferred loss / standard's best loss at 8x (non-standard modes)}}}``.
+        "shift" (octaves from b), "best_loss", "best_test" (the test loss at the best rate),
+        "at_tuned": {"mean", "sd", "losses", "test"}, "ratio": transferred loss / standard's
+        best loss at 8x, "test_ratio": the test losses of the same two (non-standard
+        modes)}}}``; a test loss is ``None`` where a seed has none (the task has no test
+        split, or the run diverged). The rates are chosen by training loss throughout.
 
     Examples:
         >>> cfg = SweepConfig(scales=(1, 8), seeds=1)
@@ -277,10 +286,26 @@ def cell_summary(
                 "losses": at,
             },
         }
+        entry["at_tuned"]["test"] = _test(runs, m, top, tuned, seeds)
+        entry["best_test"] = None if best is None else _test(runs, m, top, best, seeds)
         out["modes"][m] = entry
-    std_best = out["modes"].get("standard", {}).get("best_loss")
+    std = out["modes"].get("standard", {})
     for m, entry in out["modes"].items():
-        mean = entry["at_tuned"]["mean"]
-        if m != "standard" and std_best and mean is not None:
-            entry["ratio"] = round(mean / std_best, 6)
+        if m == "standard":
+            continue
+        for key, mine, ref in (
+            ("ratio", entry["at_tuned"]["mean"], std.get("best_loss")),
+            ("test_ratio", entry["at_tuned"]["test"], std.get("best_test")),
+        ):
+            if ref and mine is not None:
+                entry[key] = round(mine / ref, 6)
     return out
+
+
+def _test(
+    runs: Mapping[str, Mapping[str, Any]], mode: str, scale: float, lr: float, seeds: int
+) -> float | None:
+    """The seed-mean test loss of a (mode, scale, lr) cell, ``None`` unless every seed has
+    a finite one."""
+    tests = _losses(runs, mode, scale, lr, seeds, "test_loss")
+    return None if tests is None or not all(map(math.isfinite, tests)) else statistics.fmean(tests)

@@ -85,13 +85,36 @@ def test_cell_summary_ratio_against_retuned_standard():
     assert "ratio" not in out["modes"]["mup"]
 
 
+def test_cell_summary_reads_test_losses_at_the_rates_chosen_by_training_loss():
+    cfg = SweepConfig(scales=(1, 8), seeds=2)
+    rows = [  # (mode, scale, lr, losses, test losses)
+        ("standard", 1.0, 0.5, [1.0, 1.0], [1.5, 1.5]),
+        ("standard", 8.0, 0.25, [0.8, 0.8], [1.2, 1.4]),  # best by training loss
+        ("standard", 8.0, 0.5, [0.9, 0.9], [1.0, 1.0]),  # best by test loss: not chosen
+        ("flerm", 8.0, 0.5, [0.84, 0.84], [0.9, 1.1]),
+        ("mup", 8.0, 0.5, [0.7, 0.7], [0.9, None]),  # a seed without a test loss
+    ]
+    runs = {
+        RunSpec(m, s, lr, k).key: {"mode": m, "scale": s, "lr": lr, "loss": v, "test_loss": t}
+        for m, s, lr, vs, ts in rows
+        for k, (v, t) in enumerate(zip(vs, ts, strict=True))
+    }
+    out = cell_summary(cfg, runs, 0.5, ["standard", "flerm", "mup"])["modes"]
+    assert out["standard"]["best_test"] == pytest.approx(1.3)
+    assert out["flerm"]["at_tuned"]["test"] == pytest.approx(1.0)
+    assert out["flerm"]["test_ratio"] == pytest.approx(1.0 / 1.3)
+    assert out["mup"]["at_tuned"]["test"] is None and "test_ratio" not in out["mup"]
+    assert out["mup"]["ratio"] == pytest.approx(0.7 / 0.8)
+
+
 def test_matrix_script_lists_cells_and_prints_rows(capsys):
     mod = load_script("benchmarks/transfer_matrix.py")
     assert mod.main(["--list"]) == 0
     names = capsys.readouterr().out.split()
     assert "resmlp-w32-s150" in names and "conv2d-bn-w8-s150" in names
-    families = {{**mod.CELLS, **mod.EXTRA_CELLS, **mod.HELD_OUT_CELLS}[n].model for n in names}
-    assert set(mod.HELD_OUT_CELLS) <= set(names)  # held-out cells run by name too
+    cells = {**mod.CELLS, **mod.EXTRA_CELLS, **mod.HELD_OUT_CELLS, **mod.BUDGET_CELLS}
+    families = {cells[n].model for n in names}
+    assert set(mod.HELD_OUT_CELLS) | set(mod.BUDGET_CELLS) <= set(names)  # run by name too
     assert families == {"resmlp", "resconv", "resconv_bn", "transformer"}
     main = {
         "tuned": 2.0**-6,
