@@ -23,6 +23,11 @@ the design covers each factor on at least two families:
 Held-out cells (``HELD_OUT_CELLS``, run by name with ``--cells``): combinations of data,
 budget, base width and norm placement no variant or option was chosen on, named before they
 were run, to check that the matrix's findings hold off it.
+``BUDGET_CELLS``: the held-out cells of the budget rule (the variant ``feature_budget``),
+named before it was run on any of them. Each read-out also gives the test losses at the
+rates training loss chose (a second table; ``test_ratio`` in ``--json``): a cell whose wide
+model memorises its data can be read on unseen data too. ``--top-scale K`` runs cells at
+K times the base width instead of 8.
 
 ``--variant NAME`` runs a FLeRM variant (:mod:`fslr_func.experiments.variants`) on the same
 cells, each in its own folder, at the base rate ``b`` the main cell found and its adaptive

@@ -788,6 +788,13 @@ VARIANTS: dict[str, Variant] = {
         {"beta": 0.0, "samples": 32},
         recorder=GainTrackingRecorder,
     ),
+    "feature_fcumulative": Variant(
+        _window(1.0, cumulative=True, cls=FeatureSpaceWindowFLeRM),
+        "feature, then at every probe the hidden tensors' feature movement summed since step "
+        "10 matched to the base's (gains measured at every probe)",
+        {"beta": 0.0, "samples": 32},
+        recorder=GainTrackingRecorder,
+    ),
     "feature_window30h_p15": Variant(
         _window(0.3, cumulative=False, cls=FeatureWindowFLeRM, hidden_only=True, feature_power=1.5),
         "feature_window30h with feature_power 1.5",
