@@ -91,6 +91,11 @@ EXTRA_CELLS: dict[str, SweepConfig] = {
     # the 600-step cell)
     "resmlp-w32-s600-fresh": _cell("resmlp", 600, 3, num_samples=100_000),
     "resmlp-w32-s150-rep": _cell("resmlp", 150, 3, num_samples=6_000),
+    # the budget under a cosine schedule, which removes a constant rate's late noise floor
+    "resmlp-w32-s150-cos": _cell("resmlp", 150, 3, schedule="cosine"),
+    "resmlp-w32-s600-cos": _cell("resmlp", 600, 3, schedule="cosine"),
+    "resmlp-w32-s1200-cos": _cell("resmlp", 1200, 2, schedule="cosine"),
+    "resmlp-aug-w32-s600-cos": _cell("resmlp", 600, 2, data="digits_aug", schedule="cosine"),
 }
 #: Held-out cells: combinations of data, budget and base width that no variant or option was
 #: chosen on (named before any of them was run), to check that the matrix's findings hold off it.
