@@ -183,15 +183,23 @@ class WindowFLeRM(FLeRM):
         self.every = every
         self._recorder = self._window_recorder(probe_batches, lo)
 
-    def _window_recorder(self, probe_batches: Iterable[Inputs], start_step: int) -> Recorder:
-        """The recorder of the window's probes (a hook for subclasses)."""
-        return Recorder(
+    def _window_recorder(
+        self,
+        probe_batches: Iterable[Inputs],
+        start_step: int,
+        cls: Callable[..., Recorder] = Recorder,
+        **options: Any,
+    ) -> Recorder:
+        """The recorder of the window's probes: ``cls`` with ``options`` (a hook for
+        subclasses)."""
+        return cls(
             self.fm,
             probe_batches,
             optimizer=self.optimizer,
             warmup_samples=self.fm.samples,
             every=self.every,
             start_step=start_step,
+            **options,
         )
 
     @property
@@ -321,6 +329,29 @@ class FeatureWindowFLeRM(WindowFLeRM):
         return adjusted
 
 
+class GainTrackingRecorder(Recorder):
+    """A base run's recorder that also keeps the feature gains of every recorded update, in
+    ``record.meta["feature_gain_at"]`` (step -> tensor -> gain), for
+    :class:`GainTrackingFLeRM` and :class:`FeatureSpaceWindowFLeRM` (``feature_gains`` is
+    on).
+
+    Args:
+        *args: :class:`~fslr_func.training.recorder.Recorder`'s.
+        names: the tensors whose gains are kept, by bare name (default: every tensor the
+            update moved).
+        **kwargs: :class:`~fslr_func.training.recorder.Recorder`'s.
+    """
+
+    def __init__(self, *args: Any, names: Collection[str] | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "feature_gains": True})
+        self.gain_names = names
+
+    def _measured(self, m: Any) -> None:
+        at = self.record.meta.setdefault("feature_gain_at", {})
+        at[str(self.t)] = step_gains(self.fm, m, self.gain_names)
+        super()._measured(m)
+
+
 class FeatureSpaceWindowFLeRM(FeatureWindowFLeRM):
     r""":class:`FeatureWindowFLeRM` (hidden tensors only) with the window matched in feature
     space: each hidden tensor's movement of the *features* (the readout's input), summed over
@@ -347,16 +378,16 @@ class FeatureSpaceWindowFLeRM(FeatureWindowFLeRM):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, hidden_only=True, **kwargs)
 
-    def _window_recorder(self, probe_batches: Iterable[Inputs], start_step: int) -> Recorder:
+    def _window_recorder(
+        self,
+        probe_batches: Iterable[Inputs],
+        start_step: int,
+        cls: Callable[..., Recorder] = GainTrackingRecorder,
+        **options: Any,
+    ) -> Recorder:
         """The window's recorder, keeping the hidden tensors' gains of every probe."""
-        return GainTrackingRecorder(
-            self.fm,
-            probe_batches,
-            optimizer=self.optimizer,
-            warmup_samples=self.fm.samples,
-            every=self.every,
-            start_step=start_step,
-            names=set(self._hidden()),
+        return super()._window_recorder(
+            probe_batches, start_step, cls, **{"names": set(self._hidden()), **options}
         )
 
     def _rematch(self, t: int) -> None:
@@ -545,29 +576,6 @@ class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
     def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
         hidden = {self.fm.name_prefix + n for n in self._hidden()}
         return {n: r for n, r in ratios.items() if n in hidden}
-
-
-class GainTrackingRecorder(Recorder):
-    """A base run's recorder that also keeps the feature gains of every recorded update, in
-    ``record.meta["feature_gain_at"]`` (step -> tensor -> gain), for
-    :class:`GainTrackingFLeRM` and :class:`FeatureSpaceWindowFLeRM` (``feature_gains`` is
-    on).
-
-    Args:
-        *args: :class:`~fslr_func.training.recorder.Recorder`'s.
-        names: the tensors whose gains are kept, by bare name (default: every tensor the
-            update moved).
-        **kwargs: :class:`~fslr_func.training.recorder.Recorder`'s.
-    """
-
-    def __init__(self, *args: Any, names: Collection[str] | None = None, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "feature_gains": True})
-        self.gain_names = names
-
-    def _measured(self, m: Any) -> None:
-        at = self.record.meta.setdefault("feature_gain_at", {})
-        at[str(self.t)] = step_gains(self.fm, m, self.gain_names)
-        super()._measured(m)
 
 
 class GainTrackingFLeRM(FLeRM):
