@@ -96,6 +96,15 @@ EXTRA_CELLS: dict[str, SweepConfig] = {
     "resmlp-w32-s600-cos": _cell("resmlp", 600, 3, schedule="cosine"),
     "resmlp-w32-s1200-cos": _cell("resmlp", 1200, 2, schedule="cosine"),
     "resmlp-aug-w32-s600-cos": _cell("resmlp", 600, 2, data="digits_aug", schedule="cosine"),
+    # named after the four above ran, before these ran: does match="features" at power 1
+    # transfer under a cosine schedule on the other families and cells too?
+    "resmlp-aug-w32-s300-cos": _cell("resmlp", 300, 2, data="digits_aug", schedule="cosine"),
+    "resmlp-w64-s600-cos": _cell("resmlp", 600, 2, width=64, schedule="cosine"),
+    "conv1d-w16-s300-cos": _cell("resconv", 300, 2, schedule="cosine"),
+    "conv2d-w8-s150-cos": _cell("resconv", 150, 2, data="digits_aug", width=8, schedule="cosine"),
+    "transformer-d16-s150-cos": _cell(
+        "transformer", 150, 2, width=16, lrs=octaves(-10, -3), schedule="cosine"
+    ),
 }
 #: Held-out cells: combinations of data, budget and base width that no variant or option was
 #: chosen on (named before any of them was run), to check that the matrix's findings hold off it.
