@@ -216,10 +216,12 @@ class FLeRM(StepController):
         feature_power: :math:`p` of ``match="features"``. At the default :math:`p = 1` each
             hidden tensor moves the features as far as the base's did: on the transfer
             matrix within 2% of re-tuned standard training, or better, on 12 of its 13
-            cells, against 5 for ``"output"``. Longer runs want the hidden tensors to move
-            further: :math:`p = 1.5` was within 2% on all 13 cells (the 600-step ResMLP
-            included) but loses the 60-step example of docs/flerm.md by a factor 2
-            (docs/reproduction.md, "Candidate fixes measured on the matrix").
+            cells, against 5 for ``"output"``. Longer runs at a constant rate want the hidden
+            tensors to move further: :math:`p = 1.5` was within 2% on all 13 cells (the
+            600-step ResMLP included) but loses the 60-step example of docs/flerm.md by a
+            factor 2 (docs/reproduction.md, "Candidate fixes measured on the matrix"); under
+            a cosine decay it lost to :math:`p = 1` on every cell it ran on ("What the
+            budget changes").
 
     Attributes:
         names: the tensors FLeRM sets, in ``named_parameters()`` order.
