@@ -105,6 +105,10 @@ EXTRA_CELLS: dict[str, SweepConfig] = {
     "transformer-d16-s150-cos": _cell(
         "transformer", 150, 2, width=16, lrs=octaves(-10, -3), schedule="cosine"
     ),
+    # named after the nine above ran, before these ran: a BatchNorm conv net and a base width
+    # of 64 on other data
+    "conv1d-bn-w16-s150-cos": _cell("resconv_bn", 150, 2, schedule="cosine"),
+    "resmlp-seed7-w64-s300-cos": _cell("resmlp", 300, 2, width=64, data_seed=7, schedule="cosine"),
 }
 #: Held-out cells: combinations of data, budget and base width that no variant or option was
 #: chosen on (named before any of them was run), to check that the matrix's findings hold off it.
