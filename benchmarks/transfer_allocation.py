@@ -46,6 +46,7 @@ from fslr_func.experiments.cache import mean_record
 from fslr_func.experiments.configs import SweepConfig
 from fslr_func.experiments.run import RunSpec, execute, unusable
 from fslr_func.experiments.task import builtin_task
+from fslr_func.io.atomic import write_json
 from fslr_func.io.record import FSLRRecord
 from fslr_func.training.feature_gains import hidden_fan_in
 
@@ -100,8 +101,11 @@ class Runs:
 
     def record(self, job: Job) -> FSLRRecord | None:
         """A base run's record, or ``None`` if it has not run."""
-        path = self.out / "records" / f"{_key(job)}.json"
+        path = self._record_path(job)
         return FSLRRecord.load(path) if path.exists() else None
+
+    def _record_path(self, job: Job) -> Path:
+        return self.out / "records" / f"{_key(job)}.json"
 
     def run(self, jobs: Iterable[Job], base_of: Callable[[Job], Any] | None = None) -> None:
         """Train the jobs not cached (base runs whose records are missing are re-run)."""
@@ -125,10 +129,8 @@ class Runs:
                 result, record = f.result()
                 self.results[_key(job)] = result
                 if record is not None:
-                    record.save(self.out / "records" / f"{_key(job)}.json")
-                tmp = self.path.with_suffix(".tmp")
-                tmp.write_text(json.dumps(self.results))
-                tmp.replace(self.path)
+                    record.save(self._record_path(job))
+                write_json(self.path, self.results)
 
     def _is_base(self, job: Job) -> bool:
         return job[0] == "standard" and job[1] == self.config.base_scale

@@ -229,11 +229,18 @@ class WindowFLeRM(FLeRM):
         """The window's ratios as set (a hook for subclasses: here unchanged)."""
         return ratios
 
+    def _window_ratios(
+        self, steps: Sequence[int], targets: list[dict[str, float]], fslrs: list[dict[str, float]]
+    ) -> dict[str, float]:
+        """The window's ratios from its probes' targets and FSLRs (:func:`window_ratios`; a
+        hook for subclasses that match something else over the same probes)."""
+        return window_ratios(targets, fslrs, min_fslr=self.min_fslr)
+
     def _rematch(self, t: int) -> None:
         rec = self._recorder.record
         targets = [self.targets.at(s, self.names, self._note_each) for s in rec.steps]
         fslrs = [rec.at(s, unknown="omit") for s in rec.steps]  # unknown: left out
-        ratios = self._adjust(window_ratios(targets, fslrs, min_fslr=self.min_fslr))
+        ratios = self._adjust(self._window_ratios(rec.steps, targets, fslrs))
         self.ratios.update({n: r for n, r in ratios.items() if n in self.ratios})
         self.history.append(
             SetPoint(
@@ -390,38 +397,33 @@ class FeatureSpaceWindowFLeRM(FeatureWindowFLeRM):
             probe_batches, start_step, cls, **{"names": set(self._hidden()), **options}
         )
 
-    def _rematch(self, t: int) -> None:
-        rec = self._recorder.record
+    def _adjust(self, ratios: dict[str, float]) -> dict[str, float]:
+        """The window's ratios as set: already in feature space (no step-0 factor)."""
+        return ratios
+
+    def _window_ratios(
+        self, steps: Sequence[int], targets: list[dict[str, float]], fslrs: list[dict[str, float]]
+    ) -> dict[str, float]:
+        """:func:`window_ratios` of the hidden tensors' feature movements: each probe's target
+        and FSLR over the base's and this run's gain at that step (NaN, so left out, where a
+        value or gain is missing or not positive and finite)."""
         base_at = self.base.meta.get("feature_gain_at", {})
-        scaled_at = rec.meta.get("feature_gain_at", {})
+        scaled_at = self._recorder.record.meta.get("feature_gain_at", {})
         prefix = self.fm.name_prefix
-        num: dict[str, float] = {}
-        den: dict[str, float] = {}
-        bad: set[str] = set()
-        for s in rec.steps:
-            targets = self.targets.at(s, self.names, self._note_each)
-            fslrs = rec.at(s, unknown="omit")
-            scaled, base = scaled_at.get(str(s), {}), base_at.get(str(s), {})
-            for bare in self._hidden():
+        hidden = list(self._hidden())
+        moved: list[dict[str, float]] = []  # the base's feature movements, per probe
+        got: list[dict[str, float]] = []  # this run's
+        for s, tgt, fslr in zip(steps, targets, fslrs, strict=True):
+            gb, gs = base_at.get(str(s), {}), scaled_at.get(str(s), {})
+            moved.append({})
+            got.append({})
+            for bare in hidden:
                 name = prefix + bare
-                parts = (targets.get(name), fslrs.get(name), base.get(bare), scaled.get(bare))
-                if any(v is None or not (0 < v < math.inf) for v in parts):
-                    bad.add(name)
-                    continue
-                tgt, got, gb, gs = (float(v) for v in parts)  # type: ignore[arg-type]
-                num[name] = num.get(name, 0.0) + tgt / gb
-                den[name] = den.get(name, 0.0) + got / gs
-        ratios = {n: num[n] / den[n] for n in num if n not in bad}
-        self.ratios.update({n: r for n, r in ratios.items() if n in self.ratios})
-        self.history.append(
-            SetPoint(
-                step=t,
-                lrs=self.lrs(),
-                fslr=rec.at(rec.steps[-1], unknown="omit"),
-                targets=self.targets.at(rec.steps[-1], self.names, self._note_each),
-                held=tuple(n for n in self.names if n not in ratios),
-            )
-        )
+                t, f, b, g = tgt.get(name), fslr.get(name), gb.get(bare), gs.get(bare)
+                ok = all(v is not None and 0 < v < math.inf for v in (t, f, b, g))
+                moved[-1][name] = t / b if ok else math.nan
+                got[-1][name] = f / g if ok else math.nan
+        return window_ratios(moved, got, min_fslr=self.min_fslr)
 
 
 def _readout_scale(ratios: Iterable[float]) -> float:
