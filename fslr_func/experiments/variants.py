@@ -852,6 +852,11 @@ VARIANTS: dict[str, Variant] = {
         "readout_init with output movement matched once, at step 0 (static)",
         recorder=_GAINS,
     ),
+    "readout_width_static": Variant(
+        _flerm(ReadoutWidthFLeRM),
+        "readout_width with output movement matched once, at step 0 (static)",
+        recorder=_GAINS,
+    ),
     "readout_init_window30h": Variant(
         _window(0.3, cumulative=False, cls=ReadoutInitWindowFLeRM),
         "readout_init's readout scale before step 0, output movement matched at step 0, then "

@@ -287,6 +287,14 @@ def test_readout_init_static_matches_once_on_the_scaled_readout(tmp_path):
     assert static["final_lrs"] == static["lrs"]
 
 
+def test_readout_width_static_matches_once_on_muPs_readout(tmp_path):
+    runs = _flerm_runs(tmp_path, "readout_width", "readout_width_static", steps=12)
+    static, periodic = runs["readout_width_static"], runs["readout_width"]
+    assert static["set_points"] == [0] and len(periodic["set_points"]) > 1
+    assert static["lrs"] == pytest.approx(periodic["lrs"])  # the same scaled readout at step 0
+    assert static["final_lrs"] == static["lrs"]
+
+
 def test_readout_width_scales_the_readout_by_muPs_factor_before_the_first_step():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     width = _run(32, base, cls=ReadoutWidthFLeRM, steps=1, mode="periodic")
@@ -299,7 +307,8 @@ def test_readout_width_scales_the_readout_by_muPs_factor_before_the_first_step()
 
 
 def test_the_measured_readout_variants_are_registered():
-    names = {"readout_init", "readout_init_static", "readout_width", "readout_init_window30h"}
+    names = {"readout_init", "readout_init_static", "readout_width", "readout_width_static"}
+    names |= {"readout_init_window30h"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
