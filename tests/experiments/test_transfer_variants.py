@@ -21,6 +21,7 @@ from fslr_func.experiments.variants import (
     ReadoutGainFLeRM,
     ReadoutInitFLeRM,
     ReadoutInitWindowFLeRM,
+    ReadoutWidthBuiltFLeRM,
     ReadoutWidthFLeRM,
     WindowFLeRM,
     window_ratios,
@@ -306,9 +307,24 @@ def test_readout_width_scales_the_readout_by_muPs_factor_before_the_first_step()
     assert ratio == pytest.approx(0.5 / init.readout_scale, rel=0.05)  # after one step
 
 
+def test_readout_width_built_scales_the_readout_before_the_first_gradient():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    built = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=0, mode="periodic")
+    assert built.readout_scale == pytest.approx(0.5)  # sqrt(8 / 32), before any step
+    assert float(built.fm.module[4].weight.detach().norm()) == pytest.approx(
+        0.5 * float(_net(32)[4].weight.detach().norm())
+    )
+    # the first gradient is the scaled model's: Adam's moments never see the unscaled one
+    after = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1, mode="periodic")
+    late = _run(32, base, cls=ReadoutWidthFLeRM, steps=1, mode="periodic")
+    first = after.optimizer.state[after.fm.module[2].weight]["exp_avg_sq"]
+    stale = late.optimizer.state[late.fm.module[2].weight]["exp_avg_sq"]
+    assert float(first.sum()) < 0.5 * float(stale.sum())  # hidden gradients shrink with c
+
+
 def test_the_measured_readout_variants_are_registered():
     names = {"readout_init", "readout_init_static", "readout_width", "readout_width_static"}
-    names |= {"readout_init_window30h"}
+    names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
