@@ -20,6 +20,7 @@ from fslr_func.experiments.variants import (
     HiddenWidthPolicy,
     ReadoutGainFLeRM,
     ReadoutInitFLeRM,
+    ReadoutInitFreshFLeRM,
     ReadoutInitWindowFLeRM,
     ReadoutWidthBuiltFLeRM,
     ReadoutWidthFLeRM,
@@ -322,9 +323,23 @@ def test_readout_width_built_scales_the_readout_before_the_first_gradient():
     assert float(first.sum()) < 0.5 * float(stale.sum())  # hidden gradients shrink with c
 
 
+def test_readout_init_fresh_takes_its_first_step_back_on_the_scaled_readout():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    fresh = _run(32, base, cls=ReadoutInitFreshFLeRM, steps=1, mode="periodic")
+    init = _net(32)
+    for (name, p), q in zip(fresh.fm.module.named_parameters(), init.parameters(), strict=True):
+        scale = fresh.readout_scale if name == "4.weight" else 1.0
+        assert torch.allclose(p.detach(), scale * q.detach()), name  # no update kept
+    assert not fresh.optimizer.state  # Adam's moments start at the next gradient
+    assert fresh.history[0].step == 0 and fresh.readout_scale < 1.0  # measured, set
+    two = _run(32, base, cls=ReadoutInitFreshFLeRM, steps=2, mode="periodic")
+    assert {float(s["step"]) for s in two.optimizer.state.values()} == {1.0}
+
+
 def test_the_measured_readout_variants_are_registered():
     names = {"readout_init", "readout_init_static", "readout_width", "readout_width_static"}
     names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
+    names |= {"readout_init_fresh"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
