@@ -497,7 +497,9 @@ class ReadoutInitFLeRM(FLeRM):
     update of the base run); the readout's weight is multiplied by
     :math:`c = (\prod_W G^\text{base}_W / G^\text{scaled}_W)^{1/k}`, and FLeRM then matches
     output movement (``mode="periodic"``: again every ``every`` steps as the readout grows).
-    ``readout_scale`` keeps :math:`c`.
+    ``readout_scale`` keeps :math:`c`. The first gradient is the unscaled model's and stays in
+    the optimiser's state (Adam's moments); :class:`ReadoutInitFreshFLeRM` takes that step
+    back, :class:`ReadoutWidthBuiltFLeRM` scales at construction.
 
     Args:
         *args: :class:`~fslr_func.training.flerm.FLeRM`'s.
