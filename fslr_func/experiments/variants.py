@@ -623,15 +623,24 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
     forward (which finds the readout). Built on a model whose weights are then loaded from a
     checkpoint, the scale is lost: an experiment's variant, not a resumable controller.
 
+    With ``hidden_features=True`` the hidden tensors are matched in feature space
+    (``match="features"``, their gains measured at the first set point on the scaled
+    readout), the others in output space: where the measured gain ratio is below muP's
+    :math:`\sqrt{m}` (a normalised stream before the readout) output matching through the small
+    readout would move the features further than the base's.
+
     Args:
         *args: :class:`ReadoutWidthFLeRM`'s.
+        hidden_features: match the hidden tensors' feature movement, not their output
+            movement.
         **kwargs: :class:`ReadoutWidthFLeRM`'s.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hidden_features: bool = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.readout_scale = self._rescale_readout()
-        self.feature_factors = {}  # the readout carries the factor: output matching
+        if not hidden_features:
+            self.feature_factors = {}  # the readout carries the factor: output matching
 
 
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
@@ -937,6 +946,12 @@ VARIANTS: dict[str, Variant] = {
         _flerm(ReadoutWidthBuiltFLeRM, periodic=True),
         "readout_width with the readout scaled before the first forward (muP's forward from "
         "the first gradient), output movement matched every 10 steps",
+        recorder=_GAINS,
+    ),
+    "readout_built_features": Variant(
+        _flerm(ReadoutWidthBuiltFLeRM, periodic=True, hidden_features=True),
+        "readout_built with the hidden tensors' feature movement matched (gains measured on "
+        "the scaled readout), the others' output movement",
         recorder=_GAINS,
     ),
     "readout_built_static": Variant(

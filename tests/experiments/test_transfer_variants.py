@@ -323,6 +323,17 @@ def test_readout_width_built_scales_the_readout_before_the_first_gradient():
     assert float(first.sum()) < 0.5 * float(stale.sum())  # hidden gradients shrink with c
 
 
+def test_readout_width_built_can_match_the_hidden_tensors_features():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    output = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1)
+    features = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1, hidden_features=True)
+    assert output.feature_factors == {}
+    assert set(features.feature_factors) == {"2.weight"}  # the one hidden tensor
+    ratio = features.ratios["2.weight"] / output.ratios["2.weight"]
+    assert ratio == pytest.approx(features.feature_factors["2.weight"], rel=1e-5)
+    assert features.ratios["0.weight"] == pytest.approx(output.ratios["0.weight"], rel=1e-5)
+
+
 def test_readout_init_fresh_takes_its_first_step_back_on_the_scaled_readout():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     fresh = _run(32, base, cls=ReadoutInitFreshFLeRM, steps=1, mode="periodic")
@@ -339,7 +350,7 @@ def test_readout_init_fresh_takes_its_first_step_back_on_the_scaled_readout():
 def test_the_measured_readout_variants_are_registered():
     names = {"readout_init", "readout_init_static", "readout_width", "readout_width_static"}
     names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
-    names |= {"readout_init_fresh"}
+    names |= {"readout_init_fresh", "readout_built_features"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
