@@ -162,3 +162,18 @@ def test_matrix_script_base_rate_runs_the_variant_at_the_given_rate(tmp_path, ca
     out = capsys.readouterr().out
     assert "resmlp-w32-s600 feature: shift +1; loss at b 0.5000 (sd 0.0100); best 0.4000" in out
     assert "transfer matrix" not in out  # no main cell ran: no tables
+
+
+def test_readout_first_gradient_script_scaled_before_is_mup(monkeypatch):
+    from fslr_func.experiments.run import execute
+    from fslr_func.experiments.task import builtin_task
+
+    mod = load_script("benchmarks/readout_first_gradient.py")
+    tiny = SweepConfig.for_model(
+        "resmlp", scales=(1, 8), steps=4, last=2, width=4, depth=2, num_samples=500, batch_size=16
+    )
+    monkeypatch.setitem(mod.CELLS, "tiny", tiny)
+    mup, _ = execute(builtin_task(tiny), tiny, RunSpec("mup", 8, 0.01, 0))
+    before = mod.run("tiny", 0.01, 0, "before")
+    assert before == pytest.approx(mup["loss"], rel=1e-4)  # muP's forward and rates
+    assert mod.run("tiny", 0.01, 0, "after") != pytest.approx(before, rel=1e-4)
