@@ -627,20 +627,35 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
     (``match="features"``, their gains measured at the first set point on the scaled
     readout), the others in output space: where the measured gain ratio is below muP's
     :math:`\sqrt{m}` (a normalised stream before the readout) output matching through the small
-    readout would move the features further than the base's.
+    readout would move the features further than the base's. With a number :math:`t`, the
+    hidden tensors are matched in feature space only where the geometric mean of their
+    factors (scaled gain over the base's, on the scaled readout) is below :math:`t`: where
+    output matching would move the features more than :math:`1/t` times the base's;
+    ``hidden_matched`` says which was chosen.
 
     Args:
         *args: :class:`ReadoutWidthFLeRM`'s.
-        hidden_features: match the hidden tensors' feature movement, not their output
-            movement.
+        hidden_features: match the hidden tensors' feature movement (``True``), their output
+            movement (``False``), or feature movement where the mean factor is below this
+            number.
         **kwargs: :class:`ReadoutWidthFLeRM`'s.
     """
 
-    def __init__(self, *args: Any, hidden_features: bool = False, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, hidden_features: bool | float = False, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.readout_scale = self._rescale_readout()
-        if not hidden_features:
+        self._below = None if isinstance(hidden_features, bool) else float(hidden_features)
+        self.hidden_matched = "features" if hidden_features is True else "output"
+        if hidden_features is False:
             self.feature_factors = {}  # the readout carries the factor: output matching
+
+    def _measured(self, m: Any) -> None:
+        if self._below is not None and self.feature_factors is None:
+            factors = self._feature_factors(m)
+            mean = 1.0 / _readout_scale(factors.values())  # their geometric mean
+            self.hidden_matched = "features" if mean < self._below else "output"
+            self.feature_factors = factors if self.hidden_matched == "features" else {}
+        super()._measured(m)
 
 
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
@@ -952,6 +967,12 @@ VARIANTS: dict[str, Variant] = {
         _flerm(ReadoutWidthBuiltFLeRM, periodic=True, hidden_features=True),
         "readout_built with the hidden tensors' feature movement matched (gains measured on "
         "the scaled readout), the others' output movement",
+        recorder=_GAINS,
+    ),
+    "readout_built_auto": Variant(
+        _flerm(ReadoutWidthBuiltFLeRM, periodic=True, hidden_features=0.5),
+        "readout_built with the hidden tensors matched in feature space where output matching "
+        "would move their features more than twice the base's (mean factor below 1/2)",
         recorder=_GAINS,
     ),
     "readout_built_static": Variant(

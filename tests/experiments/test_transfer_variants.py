@@ -334,6 +334,18 @@ def test_readout_width_built_can_match_the_hidden_tensors_features():
     assert features.ratios["0.weight"] == pytest.approx(output.ratios["0.weight"], rel=1e-5)
 
 
+def test_readout_width_built_chooses_feature_matching_below_a_threshold():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    features = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1, hidden_features=True)
+    (factor,) = features.feature_factors.values()
+    low = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1, hidden_features=factor * 1.01)
+    high = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1, hidden_features=factor * 0.99)
+    assert low.hidden_matched == "features" and low.ratios == pytest.approx(features.ratios)
+    assert high.hidden_matched == "output" and high.feature_factors == {}
+    output = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1)
+    assert output.hidden_matched == "output" and high.ratios == pytest.approx(output.ratios)
+
+
 def test_readout_init_fresh_takes_its_first_step_back_on_the_scaled_readout():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     fresh = _run(32, base, cls=ReadoutInitFreshFLeRM, steps=1, mode="periodic")
@@ -350,7 +362,7 @@ def test_readout_init_fresh_takes_its_first_step_back_on_the_scaled_readout():
 def test_the_measured_readout_variants_are_registered():
     names = {"readout_init", "readout_init_static", "readout_width", "readout_width_static"}
     names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
-    names |= {"readout_init_fresh", "readout_built_features"}
+    names |= {"readout_init_fresh", "readout_built_features", "readout_built_auto"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
