@@ -631,7 +631,7 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
     hidden tensors are matched in feature space only where the geometric mean of their
     factors (scaled gain over the base's, on the scaled readout) is below :math:`t`: where
     output matching would move the features more than :math:`1/t` times the base's;
-    ``hidden_matched`` says which was chosen.
+    ``hidden_matched`` says which was chosen, ``hidden_factor`` the mean factor.
 
     Args:
         *args: :class:`ReadoutWidthFLeRM`'s.
@@ -646,6 +646,7 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
         self.readout_scale = self._rescale_readout()
         self._below = None if isinstance(hidden_features, bool) else float(hidden_features)
         self.hidden_matched = "features" if hidden_features is True else "output"
+        self.hidden_factor: float | None = None
         if hidden_features is False:
             self.feature_factors = {}  # the readout carries the factor: output matching
 
@@ -653,6 +654,7 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
         if self._below is not None and self.feature_factors is None:
             factors = self._feature_factors(m)
             mean = 1.0 / _readout_scale(factors.values())  # their geometric mean
+            self.hidden_factor = mean
             self.hidden_matched = "features" if mean < self._below else "output"
             self.feature_factors = factors if self.hidden_matched == "features" else {}
         super()._measured(m)

@@ -341,6 +341,7 @@ def test_readout_width_built_chooses_feature_matching_below_a_threshold():
     low = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1, hidden_features=factor * 1.01)
     high = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1, hidden_features=factor * 0.99)
     assert low.hidden_matched == "features" and low.ratios == pytest.approx(features.ratios)
+    assert low.hidden_factor == pytest.approx(factor)  # one hidden tensor: its own factor
     assert high.hidden_matched == "output" and high.feature_factors == {}
     output = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1)
     assert output.hidden_matched == "output" and high.ratios == pytest.approx(output.ratios)
