@@ -177,3 +177,21 @@ def test_readout_first_gradient_script_scaled_before_is_mup(monkeypatch):
     before = mod.run("tiny", 0.01, 0, "before")
     assert before == pytest.approx(mup["loss"], rel=1e-4)  # muP's forward and rates
     assert mod.run("tiny", 0.01, 0, "after") != pytest.approx(before, rel=1e-4)
+
+
+def test_readout_choice_script_reports_the_auto_variants_choice(tmp_path, monkeypatch):
+    import dataclasses
+
+    from fslr_func.experiments.run import execute
+    from fslr_func.experiments.task import builtin_task
+
+    mod = load_script("benchmarks/readout_choice.py")
+    tiny = SweepConfig.for_model(
+        "resmlp", scales=(1, 8), steps=3, last=1, width=4, depth=2, num_samples=500, batch_size=16
+    )
+    tiny = dataclasses.replace(tiny, flerm_variant="readout_built_auto", samples=4)
+    monkeypatch.setitem(mod.ALL_CELLS, "tiny", tiny)
+    _, record = execute(builtin_task(tiny), tiny, RunSpec("standard", 1, 0.01, 0), record=True)
+    record.save(tmp_path / "lr=0.01_mean.json")
+    factor, matched = mod.choice("tiny", 0.01, 0, tmp_path)
+    assert factor > 0 and matched == ("features" if factor < 0.5 else "output")
