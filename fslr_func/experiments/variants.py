@@ -642,6 +642,11 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
     """
 
     def __init__(self, *args: Any, hidden_features: bool | float = False, **kwargs: Any) -> None:
+        if not isinstance(hidden_features, bool) and not 0 < hidden_features < math.inf:
+            raise ValueError(
+                f"hidden_features={hidden_features!r}: give True, False or a positive finite "
+                "threshold on the hidden tensors' mean feature factor (e.g. 0.5)"
+            )
         super().__init__(*args, **kwargs)
         self.readout_scale = self._rescale_readout()
         self._below = None if isinstance(hidden_features, bool) else float(hidden_features)

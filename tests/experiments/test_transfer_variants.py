@@ -347,6 +347,13 @@ def test_readout_width_built_chooses_feature_matching_below_a_threshold():
     assert output.hidden_matched == "output" and high.ratios == pytest.approx(output.ratios)
 
 
+@pytest.mark.parametrize("bad", [0.0, -0.5, math.nan, math.inf])
+def test_readout_width_built_refuses_a_threshold_that_is_not_positive_and_finite(bad):
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    with pytest.raises(ValueError, match="positive finite threshold"):
+        _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=0, hidden_features=bad)
+
+
 def test_readout_init_fresh_takes_its_first_step_back_on_the_scaled_readout():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     fresh = _run(32, base, cls=ReadoutInitFreshFLeRM, steps=1, mode="periodic")
