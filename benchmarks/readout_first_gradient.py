@@ -14,7 +14,6 @@ Run: ``nice -n 15 python benchmarks/readout_first_gradient.py --cell conv1d-w32-
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -26,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from transfer_matrix import CELLS
 
 from fslr_func.experiments.cli_args import parse_lrs
-from fslr_func.experiments.mup import base_shapes, mup_groups
+from fslr_func.experiments.mup import base_shapes, mup_groups, readouts
 from fslr_func.experiments.task import builtin_task
 from fslr_func.experiments.train import last_mean, make_optimizer, train
 
@@ -40,12 +39,14 @@ def run(cell: str, lr: float, seed: int, when: str) -> float:
     shapes = base_shapes(task.build, config.base_scale, seed)
     torch.manual_seed(seed)
     model = task.build(SCALE, seed)
-    readout: Any = model.readout
-    c = math.sqrt(shapes["readout.weight"][1] / readout.weight.shape[1])
+    ((name, m),) = readouts(model, shapes).items()  # muP's readout and its width multiplier
+    readout: Any = model.get_submodule(name)
+    c = m**-0.5
     groups = mup_groups(model, shapes, lr)
     for g in groups:  # muP's readout rate lr / m is the divided forward's rate c^2 lr
-        if g["name"] == "readout.weight":
+        if g["name"] == f"{name}.weight":
             g["lr"] = lr * c * c
+    upstream = [p for n, p in model.named_parameters() if not n.startswith(f"{name}.")]
     if when == "before":
         with torch.no_grad():
             readout.weight.mul_(c)
@@ -57,13 +58,10 @@ def run(cell: str, lr: float, seed: int, when: str) -> float:
         if first[0] and when != "before":
             with torch.no_grad():
                 readout.weight.mul_(c)
-                for name, p in model.named_parameters():
-                    if (
-                        when == "after+regrad"
-                        and not name.startswith("readout.")
-                        and p.grad is not None
-                    ):
-                        p.grad.mul_(c)
+                if when == "after+regrad":
+                    for p in upstream:
+                        if p.grad is not None:
+                            p.grad.mul_(c)
         first[0] = False
         return step(*args, **kwargs)
 
