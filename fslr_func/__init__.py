@@ -28,6 +28,7 @@ from .stats.estimator import ESTIMATORS
 from .training import policies
 from .training.distributed import DistributedFSLRModule
 from .training.flerm import FLeRM, SetPoint
+from .training.readout_scale import scale_readout
 from .training.recorder import Recorder
 from .training.wrap import with_fslr
 from .training.wrapper import FSLRModule, Measurement
@@ -50,6 +51,7 @@ __all__ = [  # noqa: RUF022 (grouped by layer, sorted within a group)
     "Recorder",
     "SetPoint",
     "policies",
+    "scale_readout",
     "with_fslr",
     # records
     "FSLRRecord",

@@ -88,6 +88,7 @@ from ..probe.readout import ReadoutFinder
 from ..training import policies
 from ..training.feature_gains import feature_gains, hidden_fan_in, readout_of, step_gains
 from ..training.flerm import FLeRM, SetPoint
+from ..training.readout_scale import readout_width_scale, scale_readout
 from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
 
@@ -608,7 +609,7 @@ class ReadoutWidthFLeRM(ReadoutInitFLeRM):
         base, shape = self.base.shapes.get(name), self.targets.params[self.fm.name_prefix + name]
         if base is None or len(base) < 2 or shape.dim() < 2:
             return 1.0
-        return math.sqrt(math.prod(base[1:]) / math.prod(shape.shape[1:]))
+        return readout_width_scale(tuple(shape.shape), base)
 
 
 class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
@@ -619,9 +620,11 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
     first step and its state (Adam's moments) hold the gradient of the unscaled model; on
     the 8x 1-D conv net of 32 base channels that alone costs 0.23 -> 0.41 in loss at the same
     rates (docs/reproduction.md). The scale needs no gradient here (the readout's fan-in
-    against the base record's), so it is applied at construction, on one probe batch's
-    forward (which finds the readout). Built on a model whose weights are then loaded from a
-    checkpoint, the scale is lost: an experiment's variant, not a resumable controller.
+    against the base record's), so it is applied at construction by
+    :func:`~fslr_func.scale_readout`, on one probe batch's forward (which finds the readout):
+    with ``hidden_features=True`` or ``False`` this is ``scale_readout`` followed by a plain
+    :class:`~fslr_func.training.flerm.FLeRM` (``match="features"`` or ``"output"``), the form
+    a user's resumable run takes.
 
     With ``hidden_features=True`` the hidden tensors are matched in feature space
     (``match="features"``, their gains measured at the first set point on the scaled
@@ -648,7 +651,8 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
                 "threshold on the hidden tensors' mean feature factor (e.g. 0.5)"
             )
         super().__init__(*args, **kwargs)
-        self.readout_scale = self._rescale_readout()
+        (x,) = self._feed.take(1)
+        self.readout_scale = scale_readout(self.fm, self.base, x)
         self._below = None if isinstance(hidden_features, bool) else float(hidden_features)
         self.hidden_matched = "features" if hidden_features is True else "output"
         self.hidden_factor: float | None = None

@@ -323,6 +323,23 @@ def test_readout_width_built_scales_the_readout_before_the_first_gradient():
     assert float(first.sum()) < 0.5 * float(stale.sum())  # hidden gradients shrink with c
 
 
+@pytest.mark.parametrize("match", ["output", "features"])
+def test_readout_width_built_is_scale_readout_then_a_plain_flerm(match):
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+
+    def recipe(fm, opt, base, *, probe_batches, **kw):
+        ff.scale_readout(fm, base, next(probe_batches))  # the batch the variant's finder takes
+        return ff.FLeRM(fm, opt, base, probe_batches=probe_batches, match=match, **kw)
+
+    hidden = match == "features"
+    built = _run(32, base, cls=ReadoutWidthBuiltFLeRM, mode="periodic", hidden_features=hidden)
+    public = _run(32, base, cls=recipe, mode="periodic")
+    assert public.ratios == built.ratios
+    assert (public.feature_factors or {}) == (built.feature_factors or {})
+    for p, q in zip(public.fm.parameters(), built.fm.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
 def test_readout_width_built_can_match_the_hidden_tensors_features():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     output = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1)
