@@ -103,6 +103,7 @@ __all__ = [
     "ReadoutGainFLeRM",
     "ReadoutInitFreshFLeRM",
     "ReadoutInitWindowFLeRM",
+    "ReadoutUpstreamFLeRM",
     "ReadoutWidthBuiltFLeRM",
     "ReadoutWidthFLeRM",
     "Variant",
@@ -669,6 +670,37 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
         super()._measured(m)
 
 
+class ReadoutUpstreamFLeRM(ReadoutWidthBuiltFLeRM):
+    r""":class:`ReadoutWidthBuiltFLeRM` with *every* tensor upstream of the readout matched in
+    feature space, not only the hidden ones.
+
+    With muP's readout in place, matching a tensor's output movement asks its features to
+    move :math:`1/G`-times further, :math:`G` the output movement per unit of feature
+    movement, which at initialisation (the readout not yet aligned with the features' change)
+    falls with width. ``hidden_features=True`` corrects this for the hidden matrices; the
+    input layer, the embeddings, biases and normalisation gains stay output-matched, and on
+    the transformer they were set 2x-4x the base's rate (docs/reproduction.md). Here each
+    tensor :math:`W` whose update moves the features (a feature gain in the base record and
+    in this run, measured at the first set point) gets the factor
+    :math:`G^\text{scaled}_W / G^\text{base}_W` on its output-matched ratio: its feature
+    movement is the base's. The readout's own tensors move no features and stay
+    output-matched.
+
+    Args:
+        *args: :class:`ReadoutWidthBuiltFLeRM`'s.
+        **kwargs: :class:`ReadoutWidthBuiltFLeRM`'s (``hidden_features`` is ``True``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "hidden_features": True})
+
+    def _hidden(self) -> dict[str, float]:
+        """Every driven tensor with a base feature gain (the factor's multiplier unused: 1)."""
+        prefix = self.fm.name_prefix
+        bare = (n.removeprefix(prefix) for n in self.names)
+        return {n: 1.0 for n in bare if n in self.base_gains}
+
+
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
     """:class:`ReadoutInitFLeRM`'s readout scale before the first step, then
     :class:`WindowFLeRM`'s re-match of the hidden tensors only (``feature_window30h``'s
@@ -984,6 +1016,12 @@ VARIANTS: dict[str, Variant] = {
         _flerm(ReadoutWidthBuiltFLeRM, periodic=True, hidden_features=0.5),
         "readout_built with the hidden tensors matched in feature space where output matching "
         "would move their features more than twice the base's (mean factor below 1/2)",
+        recorder=_GAINS,
+    ),
+    "readout_built_upstream": Variant(
+        _flerm(ReadoutUpstreamFLeRM, periodic=True),
+        "readout_built with every tensor upstream of the readout (input layer, embeddings, "
+        "biases, norms, hidden matrices) matched in feature space, the readout in output space",
         recorder=_GAINS,
     ),
     "readout_built_static": Variant(

@@ -22,6 +22,7 @@ from fslr_func.experiments.variants import (
     ReadoutInitFLeRM,
     ReadoutInitFreshFLeRM,
     ReadoutInitWindowFLeRM,
+    ReadoutUpstreamFLeRM,
     ReadoutWidthBuiltFLeRM,
     ReadoutWidthFLeRM,
     WindowFLeRM,
@@ -364,6 +365,19 @@ def test_readout_width_built_chooses_feature_matching_below_a_threshold():
     assert output.hidden_matched == "output" and high.ratios == pytest.approx(output.ratios)
 
 
+def test_readout_upstream_matches_every_tensor_before_the_readout_in_feature_space():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    output = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1)
+    upstream = _run(32, base, cls=ReadoutUpstreamFLeRM, steps=1)
+    assert set(upstream.feature_factors) == {"0.weight", "0.bias", "2.weight", "2.bias"}
+    for name, factor in upstream.feature_factors.items():
+        ratio = upstream.ratios[name] / output.ratios[name]
+        assert ratio == pytest.approx(factor, rel=1e-5), name
+    for name in ("4.weight", "4.bias"):  # the readout's own: output movement, as before
+        assert upstream.ratios[name] == pytest.approx(output.ratios[name], rel=1e-5)
+    assert upstream.readout_scale == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("bad", [0.0, -0.5, math.nan, math.inf])
 def test_readout_width_built_refuses_a_threshold_that_is_not_positive_and_finite(bad):
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
@@ -388,6 +402,7 @@ def test_the_measured_readout_variants_are_registered():
     names = {"readout_init", "readout_init_static", "readout_width", "readout_width_static"}
     names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
     names |= {"readout_init_fresh", "readout_built_features", "readout_built_auto"}
+    names |= {"readout_built_upstream"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
