@@ -672,7 +672,8 @@ class ReadoutWidthBuiltFLeRM(ReadoutWidthFLeRM):
 
 class ReadoutUpstreamFLeRM(ReadoutWidthBuiltFLeRM):
     r""":class:`ReadoutWidthBuiltFLeRM` with *every* tensor upstream of the readout matched in
-    feature space, not only the hidden ones.
+    feature space, not only the hidden ones: ``scale_readout`` then
+    ``FLeRM(..., match="features_all")``.
 
     With muP's readout in place, matching a tensor's output movement asks its features to
     move :math:`1/G`-times further, :math:`G` the output movement per unit of feature
@@ -693,12 +694,7 @@ class ReadoutUpstreamFLeRM(ReadoutWidthBuiltFLeRM):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{**kwargs, "hidden_features": True})
-
-    def _hidden(self) -> dict[str, float]:
-        """Every driven tensor with a base feature gain (the factor's multiplier unused: 1)."""
-        prefix = self.fm.name_prefix
-        bare = (n.removeprefix(prefix) for n in self.names)
-        return {n: 1.0 for n in bare if n in self.base_gains}
+        self.match = "features_all"
 
 
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):

@@ -89,9 +89,10 @@ from .wrapper import FSLRModule, Measurement
 __all__ = ["FLeRM", "SetPoint"]
 
 Mode = Literal["static", "periodic"]
-Matched = Literal["output", "features"]
-"""What FLeRM matches for the hidden tensors of a wider model: the base's output movement
-(the paper's rule) or its movement of the features (the readout's input)."""
+Matched = Literal["output", "features", "features_all"]
+"""What FLeRM matches for the tensors of a wider model: the base's output movement (the
+paper's rule), or its movement of the features (the readout's input) for the hidden tensors
+or for every tensor upstream of the readout."""
 Rates = dict[str, tuple[float, float]]
 """Per tensor: its group's rate and FLeRM's rate at a step."""
 
@@ -213,6 +214,12 @@ class FLeRM(StepController):
             layer (refused with ``with_fslr(..., readout=None)``) and warns where the model
             differs from the base but no tensor is hidden. A factor that would push a rate
             past its dtype's range holds the tensor, as a non-finite FSLR does.
+            ``"features_all"``: the same factor on *every* tensor whose update moves the
+            features (a feature gain in the base record: the input layer, embeddings, biases,
+            norms and hidden matrices; the readout's own tensors stay output-matched). Made
+            for a model given muP's readout by :func:`~fslr_func.scale_readout`, whose small
+            readout would otherwise ask every upstream tensor to move the features further
+            than the base's (docs/flerm.md).
         feature_power: :math:`p` of ``match="features"``. At the default :math:`p = 1` each
             hidden tensor moves the features as far as the base's did: on the transfer
             matrix within 2% of re-tuned standard training, or better, on 12 of its 13
@@ -226,8 +233,8 @@ class FLeRM(StepController):
     Attributes:
         names: the tensors FLeRM sets, in ``named_parameters()`` order.
         ratios: tensor name -> :math:`r_W` from the latest set point (absent before its first).
-        feature_factors: with ``match="features"``, tensor name -> the factor on a hidden
-            tensor's ratio (``None`` before the first set point).
+        feature_factors: with ``match="features"`` or ``"features_all"``, tensor name -> the
+            factor on its ratio (``None`` before the first set point).
         history: the :class:`SetPoint` of every set point so far.
         t: index of the next training step.
         lr0: :math:`\eta_0`.
@@ -424,7 +431,7 @@ class FLeRM(StepController):
         yield
 
     def _measured(self, m: Measurement) -> None:
-        if self.match == "features" and self.feature_factors is None:
+        if self.match != "output" and self.feature_factors is None:
             self.feature_factors = self._feature_factors(m)
         reading = m.read()  # the set point's one synchronisation
         # tensors whose every probe was left out (not finite), or whose 16-bit update rounded
@@ -506,11 +513,20 @@ class FLeRM(StepController):
                 stacklevel=3,
             )
 
+    def _feature_matched(self) -> list[str]:
+        """The tensors whose feature movement is matched, by bare name: the hidden ones
+        (``match="features"``), or every driven tensor with a base feature gain, the readout's
+        own having none (``"features_all"``)."""
+        if self.match != "features_all":
+            return list(self._hidden())
+        bare = (n.removeprefix(self.fm.name_prefix) for n in self.names)
+        return [n for n in bare if n in self.base_gains]
+
     def _feature_factors(self, m: Measurement) -> dict[str, float]:
-        """Per hidden tensor, its scaled feature gain over the base's (both measured), to
-        the power ``feature_power``."""
+        """Per tensor whose feature movement is matched, its scaled feature gain over the
+        base's (both measured), to the power ``feature_power``."""
         prefix = self.fm.name_prefix
-        hidden = self._hidden()
+        hidden = self._feature_matched()
         gains = step_gains(self.fm, m, names={n for n in hidden if n in self.base_gains})
         power = self.feature_power
         factors = {prefix + n: _power(g / self.base_gains[n], power) for n, g in gains.items()}
@@ -565,9 +581,10 @@ def _power(x: float, p: float) -> float:
 
 
 def _base_gains(fm: FSLRModule, base: FSLRRecord, matched: Matched) -> dict[str, float]:
-    """The base record's feature gains, checked, for ``match="features"`` (else empty)."""
-    if matched not in ("output", "features"):
-        raise ValueError(f"match must be 'output' or 'features', got {matched!r}")
+    """The base record's feature gains, checked, for ``match="features"`` or
+    ``"features_all"`` (else empty)."""
+    if matched not in ("output", "features", "features_all"):
+        raise ValueError(f"match must be 'output', 'features' or 'features_all', got {matched!r}")
     if matched == "output":
         return {}
     require_readout(fm, "match='features'")

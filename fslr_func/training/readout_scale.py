@@ -119,11 +119,13 @@ def scale_readout(
     r"""Multiply the readout layer's weight by muP's scale :math:`\sqrt{n_\text{base} / n}`,
     once, before training: FLeRM on muP's readout (module docstring).
 
-    On the transfer matrix of docs/reproduction.md (13 cells, 5 held out, 11 under a cosine
-    schedule; Adam, 8x width), with FLeRM periodic every 10 steps: ``match="features"`` was
-    within 2% of re-tuned standard training on 26 of 29 cells and at or below muP at the
-    transferred rate on 12; ``match="output"`` within 2% on 23 and below muP on 14, but it
-    loses both transformers (their readout reads a normalised stream).
+    Then drive the model with ``FLeRM(..., match="features_all")``: through the small readout,
+    output matching would ask every upstream tensor to move the features further than the
+    base's. On the transfer matrix of docs/reproduction.md (36 cells: 13 of the matrix, 5
+    held out, 7 of other budgets and data, 11 under a cosine schedule; Adam, 8x width, set
+    points every 10 steps) that pair was within 2% of re-tuned standard training on 29 and
+    below muP at the transferred rate on 20; muP stayed ahead on the conv nets without
+    BatchNorm, the PreNorm transformers, most cosine cells and short runs.
 
     Args:
         fm: the scaled model's :func:`~fslr_func.with_fslr` wrapper (also under

@@ -324,16 +324,22 @@ def test_readout_width_built_scales_the_readout_before_the_first_gradient():
     assert float(first.sum()) < 0.5 * float(stale.sum())  # hidden gradients shrink with c
 
 
-@pytest.mark.parametrize("match", ["output", "features"])
-def test_readout_width_built_is_scale_readout_then_a_plain_flerm(match):
+@pytest.mark.parametrize(
+    ("match", "variant"),
+    [
+        ("output", ReadoutWidthBuiltFLeRM),
+        ("features", functools.partial(ReadoutWidthBuiltFLeRM, hidden_features=True)),
+        ("features_all", ReadoutUpstreamFLeRM),
+    ],
+)
+def test_the_built_readout_variants_are_scale_readout_then_a_plain_flerm(match, variant):
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
 
     def recipe(fm, opt, base, *, probe_batches, **kw):
         ff.scale_readout(fm, base, next(probe_batches))  # the batch the variant's finder takes
         return ff.FLeRM(fm, opt, base, probe_batches=probe_batches, match=match, **kw)
 
-    hidden = match == "features"
-    built = _run(32, base, cls=ReadoutWidthBuiltFLeRM, mode="periodic", hidden_features=hidden)
+    built = _run(32, base, cls=variant, mode="periodic")
     public = _run(32, base, cls=recipe, mode="periodic")
     assert public.ratios == built.ratios
     assert (public.feature_factors or {}) == (built.feature_factors or {})

@@ -119,6 +119,23 @@ def test_flerm_matching_features_rescales_the_hidden_tensors_only_by_the_gains_r
     assert again.feature_factors == features.feature_factors and again.ratios == features.ratios
 
 
+def test_features_all_rescales_every_tensor_upstream_of_the_readout_by_its_gains_ratio():
+    base = _base()  # bf16 autocast, GradScaler, fused AdamW, as _train runs
+    output, hidden, every = (_flerm(base, m) for m in ("output", "features", "features_all"))
+    factors = every.feature_factors
+    assert set(factors) == {"0.weight", "0.bias", "2.weight", "2.bias"}  # not the readout's
+    assert factors["2.weight"] == pytest.approx(hidden.feature_factors["2.weight"], rel=1e-6)
+    for name, r in output.ratios.items():
+        assert every.ratios[name] == pytest.approx(r * factors.get(name, 1.0), rel=1e-6), name
+    fm, opt, probes = _setup(16)  # exact resume keeps them
+    options = {"probe_batches": probes, "warmup_samples": 4}
+    again = ff.FLeRM(fm, opt, base, match="features_all", **options)
+    again.load_state_dict(every.state_dict())
+    assert again.feature_factors == factors and again.ratios == every.ratios
+    with pytest.raises(ValueError, match="match='features_all'"):  # another matching: refused
+        ff.FLeRM(fm, opt, base, match="features", **options).load_state_dict(every.state_dict())
+
+
 def test_matching_features_needs_the_base_gains_and_a_known_mode():
     fm, opt, probes = _setup(16)
     plain = _base(feature_gains=False)
