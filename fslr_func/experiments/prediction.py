@@ -72,13 +72,17 @@ _GROWS = (
     "re-tuned standard training at the base's rate on 8 of 12 (up to 51%); "
     "FLeRM(..., match='features'), which multiplies these tensors' rates by {factor:.2f} here, "
     "was within 2% of re-tuning or better on 11 of 12 (it loses the 600-step ResMLP by 11%). "
-    "Use match='features' (Recorder(..., feature_gains=True) for the base run)."
+    "Use match='features' (Recorder(..., feature_gains=True) for the base run). Giving the "
+    "wide model muP's readout first (ff.scale_readout before the first step) with "
+    "match='features_all' was within 2% on 11 of the 12 and below muP at the base's rate on 9 "
+    "(behind it on the conv nets without BatchNorm)."
 )
 _FLAT = (
     "like the matrix's transformer (e 0.04, a readout behind a normalisation): matching "
     "output movement also holds the features' (factor {factor:.2f}); there FLeRM matched "
     "re-tuned standard training at the base's rate (ratio 1.000) and match='features' changed "
-    "nothing. FLeRM as it is."
+    "nothing. FLeRM as it is (with ff.scale_readout and match='features_all': 1.003, behind "
+    "muP)."
 )
 _FALLS = (
     "the features move more per unit of output movement as the model grows (factor "
