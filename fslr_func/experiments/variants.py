@@ -87,7 +87,7 @@ from ..probe.functional import Inputs, as_output_tensor, split_inputs
 from ..probe.readout import ReadoutFinder
 from ..training import policies
 from ..training.feature_gains import feature_gains, hidden_fan_in, readout_of, step_gains
-from ..training.flerm import FLeRM, SetPoint
+from ..training.flerm import FLeRM, Matched, SetPoint
 from ..training.readout_scale import readout_width_scale, scale_readout
 from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
@@ -505,12 +505,20 @@ class ReadoutInitFLeRM(FLeRM):
 
     Args:
         *args: :class:`~fslr_func.training.flerm.FLeRM`'s.
+        match: ``"features"`` or ``"features_all"``
+            (:class:`~fslr_func.training.flerm.FLeRM`'s; ``"output"`` is refused: the readout
+            scale reads feature gains).
         **kwargs: :class:`~fslr_func.training.flerm.FLeRM`'s (the base record needs its
             feature gains).
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "match": "features"})
+    def __init__(self, *args: Any, match: Matched = "features", **kwargs: Any) -> None:
+        if match not in ("features", "features_all"):
+            raise ValueError(
+                f"match={match!r}: the readout variants read feature gains; give 'features' "
+                "or 'features_all'"
+            )
+        super().__init__(*args, match=match, **kwargs)
         self.readout_scale: float | None = None
 
     def _prepare(self, optimizers: list[torch.optim.Optimizer]) -> None:
@@ -693,8 +701,7 @@ class ReadoutUpstreamFLeRM(ReadoutWidthBuiltFLeRM):
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **{**kwargs, "hidden_features": True})
-        self.match = "features_all"
+        super().__init__(*args, **{**kwargs, "hidden_features": True, "match": "features_all"})
 
 
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):

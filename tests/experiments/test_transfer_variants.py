@@ -384,6 +384,12 @@ def test_readout_upstream_matches_every_tensor_before_the_readout_in_feature_spa
     assert upstream.readout_scale == pytest.approx(0.5)
 
 
+def test_the_readout_variants_refuse_output_matching():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    with pytest.raises(ValueError, match="read feature gains"):
+        _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=0, match="output")
+
+
 @pytest.mark.parametrize("bad", [0.0, -0.5, math.nan, math.inf])
 def test_readout_width_built_refuses_a_threshold_that_is_not_positive_and_finite(bad):
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
