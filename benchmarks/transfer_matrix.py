@@ -203,9 +203,10 @@ def compact(doc: Mapping[str, Any], variants: Sequence[str], *, test: bool = Fal
     return "\n".join(lines)
 
 
-def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
-    """Bars per cell: loss at 8x at the base's best rate over re-tuned standard training's best
-    loss at 8x, for FLeRM, each variant and muP (1: as good as re-tuning)."""
+def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path, top: float = 8) -> None:
+    """Bars per cell: loss at the top width (``top`` times the base's) at the base's best rate
+    over re-tuned standard training's best loss there, for FLeRM, each variant and muP (1: as
+    good as re-tuning)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -240,7 +241,9 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path) -> None:
     ax.axvline(1.02, color="k", lw=0.5, ls=":")
     ax.set_yticks([k + 0.4 - h / 2 for k in range(len(names))], names)
     ax.invert_yaxis()
-    ax.set_xlabel("loss at 8x at the base's best rate / re-tuned standard training's best at 8x")
+    ax.set_xlabel(
+        f"loss at {top:g}x at the base's best rate / re-tuned standard training's best at {top:g}x"
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,6 +297,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         k = args.top_scale
         cells = {n: c.replace(scales=(c.base_scale, c.base_scale * k)) for n, c in cells.items()}
         args.out = args.out.with_name(f"{args.out.name}@{k}x")
+    top = 8 if args.top_scale is None else args.top_scale
     names = args.cells.split(",") if args.cells else list(CELLS)
     unknown = [n for n in names if n not in cells]
     if unknown:
@@ -344,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     for variant in [None, *args.variant] if doc else []:
         label = f" (FLeRM columns: variant {variant})" if variant else ""
-        print(f"\ntransfer matrix{label}, 1x -> 8x width, loss at 8x:\n{HEADER}")
+        print(f"\ntransfer matrix{label}, 1x -> {top:g}x width, loss at {top:g}x:\n{HEADER}")
         for name, d in doc.items():
             print(row(name, d["main"], d["variants"][variant] if variant else None))
     if args.variant and doc:
@@ -357,7 +361,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))
     if args.plot:
-        plot(doc, args.variant, args.plot)
+        plot(doc, args.variant, args.plot, top)
     return 0
 
 
