@@ -24,7 +24,8 @@ Held-out cells (``HELD_OUT_CELLS``, run by name with ``--cells``): combinations 
 budget, base width and norm placement no variant or option was chosen on, named before they
 were run, to check that the matrix's findings hold off it.
 ``BUDGET_CELLS``: the held-out cells of the budget rule (the variant ``feature_budget``),
-named before it was run on any of them. Each read-out also gives the test losses at the
+named before it was run on any of them. ``OPTIMIZER_CELLS``: AdamW and SGD cells, named
+before ``readout_built_upstream`` ran on them. Each read-out also gives the test losses at the
 rates training loss chose (a second table; ``test_ratio`` in ``--json``): a cell whose wide
 model memorises its data can be read on unseen data too. ``--top-scale K`` runs cells at
 K times the base width instead of 8.
@@ -132,6 +133,20 @@ BUDGET_CELLS: dict[str, SweepConfig] = {
     "resmlp-aug-w32-s600": _cell("resmlp", 600, 2, data="digits_aug"),
     "conv2d-bn-w8-s300": _cell("resconv_bn", 300, 2, data="digits_aug", width=8),
     "transformer-d16-s300": _cell("transformer", 300, 2, width=16, lrs=octaves(-10, -3)),
+}
+
+#: Other optimisers (the matrix's cells all train with Adam): AdamW with weight decay 0.1 and
+#: SGD with momentum 0.9, on three families, named before any run of them, to check whether
+#: ``scale_readout`` with ``match="features_all"`` (the variant ``readout_built_upstream``)
+#: keeps its lead over muP off Adam.
+OPTIMIZER_CELLS: dict[str, SweepConfig] = {
+    "resmlp-w32-s300-adamw": _cell("resmlp", 300, 3, optimizer="adamw", weight_decay=0.1),
+    "conv1d-bn-w16-s150-adamw": _cell("resconv_bn", 150, 2, optimizer="adamw", weight_decay=0.1),
+    "transformer-d16-s150-adamw": _cell(
+        "transformer", 150, 2, width=16, lrs=octaves(-10, -3), optimizer="adamw", weight_decay=0.1
+    ),
+    "resmlp-w32-s300-sgd": _cell("resmlp", 300, 3, optimizer="sgd", lrs=octaves(-9, 0)),
+    "conv1d-bn-w16-s150-sgd": _cell("resconv_bn", 150, 2, optimizer="sgd", lrs=octaves(-9, 0)),
 }
 
 
@@ -253,7 +268,7 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path, top: float
 def _base_rate(text: str, parser: argparse.ArgumentParser) -> tuple[str, float]:
     """``CELL=LR`` of ``--base-rate``."""
     cell, _, lr = text.partition("=")
-    if cell not in {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS}:
+    if cell not in {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS, **OPTIMIZER_CELLS}:
         parser.error(f"--base-rate: unknown cell {cell!r}; --list names them")
     try:
         (rate,) = parse_lrs(lr)
@@ -290,9 +305,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.list:
-        print("\n".join([*CELLS, *EXTRA_CELLS, *HELD_OUT_CELLS, *BUDGET_CELLS]))
+        print("\n".join([*CELLS, *EXTRA_CELLS, *HELD_OUT_CELLS, *BUDGET_CELLS, *OPTIMIZER_CELLS]))
         return 0
-    cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS}
+    cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS, **OPTIMIZER_CELLS}
     if args.top_scale is not None:
         k = args.top_scale
         cells = {n: c.replace(scales=(c.base_scale, c.base_scale * k)) for n, c in cells.items()}
