@@ -149,6 +149,15 @@ OPTIMIZER_CELLS: dict[str, SweepConfig] = {
     "conv1d-bn-w16-s150-sgd": _cell("resconv_bn", 150, 2, optimizer="sgd", lrs=octaves(-9, 0)),
 }
 
+#: Every cell by name, in the order ``--list`` prints them.
+ALL_CELLS: dict[str, SweepConfig] = {
+    **CELLS,
+    **EXTRA_CELLS,
+    **HELD_OUT_CELLS,
+    **BUDGET_CELLS,
+    **OPTIMIZER_CELLS,
+}
+
 
 def _fmt(x: float | None, spec: str = ".3f") -> str:
     return "-" if x is None or not math.isfinite(x) else format(x, spec)
@@ -268,7 +277,7 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path, top: float
 def _base_rate(text: str, parser: argparse.ArgumentParser) -> tuple[str, float]:
     """``CELL=LR`` of ``--base-rate``."""
     cell, _, lr = text.partition("=")
-    if cell not in {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS, **OPTIMIZER_CELLS}:
+    if cell not in ALL_CELLS:
         parser.error(f"--base-rate: unknown cell {cell!r}; --list names them")
     try:
         (rate,) = parse_lrs(lr)
@@ -305,9 +314,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     args = p.parse_args(argv)
     if args.list:
-        print("\n".join([*CELLS, *EXTRA_CELLS, *HELD_OUT_CELLS, *BUDGET_CELLS, *OPTIMIZER_CELLS]))
+        print("\n".join(ALL_CELLS))
         return 0
-    cells = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS, **OPTIMIZER_CELLS}
+    cells = dict(ALL_CELLS)
     if args.top_scale is not None:
         k = args.top_scale
         cells = {n: c.replace(scales=(c.base_scale, c.base_scale * k)) for n, c in cells.items()}

@@ -112,9 +112,10 @@ def test_matrix_script_lists_cells_and_prints_rows(capsys):
     assert mod.main(["--list"]) == 0
     names = capsys.readouterr().out.split()
     assert "resmlp-w32-s150" in names and "conv2d-bn-w8-s150" in names
-    cells = {**mod.CELLS, **mod.EXTRA_CELLS, **mod.HELD_OUT_CELLS, **mod.BUDGET_CELLS}
-    families = {cells[n].model for n in names}
-    assert set(mod.HELD_OUT_CELLS) | set(mod.BUDGET_CELLS) <= set(names)  # run by name too
+    families = {mod.ALL_CELLS[n].model for n in names}
+    by_name = set(mod.HELD_OUT_CELLS) | set(mod.BUDGET_CELLS) | set(mod.OPTIMIZER_CELLS)
+    assert by_name <= set(names)  # run by name too
+    assert {mod.ALL_CELLS[n].optimizer for n in names} == {"adam", "adamw", "sgd"}
     assert families == {"resmlp", "resconv", "resconv_bn", "transformer"}
     main = {
         "tuned": 2.0**-6,
