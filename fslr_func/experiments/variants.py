@@ -1027,6 +1027,11 @@ VARIANTS: dict[str, Variant] = {
         "biases, norms, hidden matrices) matched in feature space, the readout in output space",
         recorder=_GAINS,
     ),
+    "readout_built_upstream_static": Variant(
+        _flerm(ReadoutUpstreamFLeRM),
+        "readout_built_upstream matched once, at step 0 (static): its step-0 rates held",
+        recorder=_GAINS,
+    ),
     "readout_built_static": Variant(
         _flerm(ReadoutWidthBuiltFLeRM),
         "readout_built with output movement matched once, at step 0 (static)",

@@ -414,7 +414,7 @@ def test_the_measured_readout_variants_are_registered():
     names = {"readout_init", "readout_init_static", "readout_width", "readout_width_static"}
     names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
     names |= {"readout_init_fresh", "readout_built_features", "readout_built_auto"}
-    names |= {"readout_built_upstream"}
+    names |= {"readout_built_upstream", "readout_built_upstream_static"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
