@@ -1,9 +1,9 @@
 r"""muP's readout scale for a wider model, applied to any model: :func:`scale_readout`.
 
 In the standard parametrisation a readout of fan-in :math:`n` is initialised at
-:math:`\Theta(n^{-1/2})`; muP's is :math:`\Theta(n^{-1})`, i.e. smaller by
-:math:`\sqrt{n_\text{base} / n}` than the standard one at the base's fan-in
-:math:`n_\text{base}`. :func:`scale_readout` multiplies the readout layer's weight by
+:math:`\Theta(n^{-1/2})`; muP's is :math:`\Theta(n^{-1})`, and equal to the standard one at
+the base's fan-in :math:`n_\text{base}`, so at fan-in :math:`n` it is the standard one times
+:math:`\sqrt{n_\text{base} / n}`. :func:`scale_readout` multiplies the readout layer's weight by
 
 .. math::
 
@@ -13,8 +13,9 @@ with :math:`n` the product of the weight's dims after the first (``in_features``
 convolution's ``in_channels * kernel``) and :math:`n_\text{base}` the base record's
 (:attr:`~fslr_func.io.record.FSLRRecord.shapes`): 1 where the fan-in did not change (depth,
 initialisation scale, LoRA rank). Nothing else of the model changes, and FLeRM then sets the
-rates as usual: the rule FLeRM lacked at width is muP's small readout, which no learning rate
-gives (docs/reproduction.md, "The readout scaled before the first gradient").
+rates (``match="features_all"``: docs/flerm.md): what FLeRM lacked at width is muP's small
+readout, which no learning rate gives (docs/reproduction.md, "The readout scaled before the
+first gradient").
 
 It must run *before the first gradient*: an optimiser that has seen the unscaled model's
 gradients keeps them in its state (Adam's moments), which on a 1-D conv net of the transfer
