@@ -17,17 +17,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from transfer_matrix import BUDGET_CELLS, CELLS, EXTRA_CELLS, HELD_OUT_CELLS
+from transfer_matrix import ALL_CELLS
 
 from fslr_func.experiments.cli_args import parse_lrs
 from fslr_func.experiments.configs import lr_key
 from fslr_func.experiments.task import builtin_task
-from fslr_func.experiments.train import make_optimizer
+from fslr_func.experiments.train import make_optimizer, train
 from fslr_func.experiments.variants import ReadoutWidthBuiltFLeRM
 from fslr_func.io.record import FSLRRecord
 from fslr_func.training.wrap import with_fslr
-
-ALL_CELLS = {**CELLS, **EXTRA_CELLS, **HELD_OUT_CELLS, **BUDGET_CELLS}
 
 
 def choice(cell: str, lr: float, seed: int, records: Path) -> tuple[float, str]:
@@ -47,11 +45,7 @@ def choice(cell: str, lr: float, seed: int, records: Path) -> tuple[float, str]:
         warmup_samples=config.warmup_samples,
         hidden_features=0.5,
     )
-    inputs, target = next(iter(task.train_batches(seed)))
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
-    task.loss_fn(fm(*args), target).backward()
-    with flerm.step():
-        opt.step()
+    train(fm, task.train_batches(seed), opt, 1, task.loss_fn, around_step=lambda t: flerm.step())
     assert flerm.hidden_factor is not None, "no hidden tensor has a feature gain"
     return flerm.hidden_factor, flerm.hidden_matched
 

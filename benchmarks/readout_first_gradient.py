@@ -14,8 +14,10 @@ Run: ``nice -n 15 python benchmarks/readout_first_gradient.py --cell conv1d-w32-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -51,22 +53,26 @@ def run(cell: str, lr: float, seed: int, when: str) -> float:
         with torch.no_grad():
             readout.weight.mul_(c)
     opt = make_optimizer("adam", groups, lr, 0.0)
-    step = opt.step
-    first = [True]
 
-    def scaled_step(*args: Any, **kwargs: Any) -> Any:
-        if first[0] and when != "before":
+    @contextlib.contextmanager
+    def scaled_after_first_backward(t: int) -> Iterator[None]:
+        if t == 0 and when != "before":
             with torch.no_grad():
                 readout.weight.mul_(c)
                 if when == "after+regrad":
                     for p in upstream:
                         if p.grad is not None:
                             p.grad.mul_(c)
-        first[0] = False
-        return step(*args, **kwargs)
+        yield
 
-    opt.step = scaled_step  # type: ignore[method-assign]
-    losses = train(model, task.train_batches(seed), opt, config.steps, task.loss_fn)
+    losses = train(
+        model,
+        task.train_batches(seed),
+        opt,
+        config.steps,
+        task.loss_fn,
+        around_step=scaled_after_first_backward,
+    )
     return last_mean(losses, config.last)
 
 
