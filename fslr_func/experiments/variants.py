@@ -704,6 +704,44 @@ class ReadoutUpstreamFLeRM(ReadoutWidthBuiltFLeRM):
         super().__init__(*args, **{**kwargs, "hidden_features": True, "match": "features_all"})
 
 
+class ReadoutUpstreamBiasFLeRM(ReadoutUpstreamFLeRM):
+    r""":class:`ReadoutUpstreamFLeRM` with muP's bias initialisation too: before the first
+    forward, every bias of a layer other than the readout (a module with a ``weight`` of rank
+    2 or more and a ``bias``) is multiplied by :math:`\sqrt{n / n_\text{base}}`, :math:`n` its
+    weight's fan-in (dims after the first) and :math:`n_\text{base}` the base record's.
+
+    PyTorch initialises a linear or convolution bias at :math:`U(\pm n^{-1/2})`, so at
+    :math:`m` times the fan-in its share of the layer's pre-activation falls by
+    :math:`\sqrt m` against the weight's; muP (``apply_mup``) keeps it at the base's size.
+    The variant asks whether that is what muP still has over ``readout_built_upstream`` on
+    the conv nets without BatchNorm, where the two rules' rates are within 20% of each other.
+
+    Args:
+        *args: :class:`ReadoutUpstreamFLeRM`'s.
+        **kwargs: :class:`ReadoutUpstreamFLeRM`'s.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.bias_scales: dict[str, float] = {}
+        for name, module in self.fm.module.named_modules():
+            weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
+            base = self.base.shapes.get(f"{name}.weight" if name else "weight")
+            if (
+                hasattr(module, "_fslr_readout_scale")
+                or not isinstance(weight, torch.Tensor)
+                or not isinstance(bias, torch.Tensor)
+                or weight.dim() < 2
+                or base is None
+                or len(base) != weight.dim()
+            ):
+                continue
+            scale = 1.0 / readout_width_scale(tuple(weight.shape), tuple(base))
+            with torch.no_grad():
+                bias.mul_(scale)
+            self.bias_scales[name] = scale
+
+
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
     """:class:`ReadoutInitFLeRM`'s readout scale before the first step, then
     :class:`WindowFLeRM`'s re-match of the hidden tensors only (``feature_window30h``'s
@@ -1030,6 +1068,12 @@ VARIANTS: dict[str, Variant] = {
     "readout_built_upstream_static": Variant(
         _flerm(ReadoutUpstreamFLeRM),
         "readout_built_upstream matched once, at step 0 (static): its step-0 rates held",
+        recorder=_GAINS,
+    ),
+    "readout_built_upstream_bias": Variant(
+        _flerm(ReadoutUpstreamBiasFLeRM, periodic=True),
+        "readout_built_upstream with muP's bias initialisation: every bias but the "
+        "readout's times sqrt(fan-in multiplier) before the first forward",
         recorder=_GAINS,
     ),
     "readout_built_static": Variant(
