@@ -74,6 +74,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -88,9 +89,11 @@ from ..probe.readout import ReadoutFinder
 from ..training import policies
 from ..training.feature_gains import feature_gains, hidden_fan_in, readout_of, step_gains
 from ..training.flerm import FLeRM, Matched, SetPoint
+from ..training.readout_scale import _MARK as _READOUT_MARK
 from ..training.readout_scale import readout_width_scale, scale_readout
 from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
+from . import mup
 
 __all__ = [
     "BUDGET_POWER_STEPS",
@@ -704,42 +707,36 @@ class ReadoutUpstreamFLeRM(ReadoutWidthBuiltFLeRM):
         super().__init__(*args, **{**kwargs, "hidden_features": True, "match": "features_all"})
 
 
-class ReadoutUpstreamBiasFLeRM(ReadoutUpstreamFLeRM):
-    r""":class:`ReadoutUpstreamFLeRM` with muP's bias initialisation too: before the first
-    forward, every bias of a layer other than the readout (a module with a ``weight`` of rank
-    2 or more and a ``bias``) is multiplied by :math:`\sqrt{n / n_\text{base}}`, :math:`n` its
-    weight's fan-in (dims after the first) and :math:`n_\text{base}` the base record's.
+class ReadoutBuiltMuPRatesFLeRM(ReadoutWidthBuiltFLeRM):
+    r"""A control, not a rule: :func:`~fslr_func.scale_readout` (muP's readout at
+    initialisation, the same function as ``apply_mup``'s) and then muP's Adam rates, set at
+    step 0 and held, in place of FLeRM's matched ones: hidden matrices :math:`1/m_\text{in}`,
+    the readout's weight :math:`1/m` (muP's effective rate through its :math:`1/m` input
+    multiplier), every other tensor 1, times the base rate. FLeRM's probe still runs at step
+    0 (its record is kept), so the run differs from muP's only in how the same readout is
+    parametrised, and from ``readout_built_upstream_static`` only in the rates.
 
-    PyTorch initialises a linear or convolution bias at :math:`U(\pm n^{-1/2})`, so at
-    :math:`m` times the fan-in its share of the layer's pre-activation falls by
-    :math:`\sqrt m` against the weight's; muP (``apply_mup``) keeps it at the base's size.
-    The variant asks whether that is what muP still has over ``readout_built_upstream`` on
-    the conv nets without BatchNorm, where the two rules' rates are within 20% of each other.
+    It separates, on a cell where ``readout_built_upstream`` trails muP, the rates (this
+    control at muP's loss) from everything else (this control at the rule's loss).
 
     Args:
-        *args: :class:`ReadoutUpstreamFLeRM`'s.
-        **kwargs: :class:`ReadoutUpstreamFLeRM`'s.
+        *args: :class:`ReadoutWidthBuiltFLeRM`'s.
+        **kwargs: :class:`ReadoutWidthBuiltFLeRM`'s.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.bias_scales: dict[str, float] = {}
-        for name, module in self.fm.module.named_modules():
-            weight, bias = getattr(module, "weight", None), getattr(module, "bias", None)
-            base = self.base.shapes.get(f"{name}.weight" if name else "weight")
-            if (
-                hasattr(module, "_fslr_readout_scale")
-                or not isinstance(weight, torch.Tensor)
-                or not isinstance(bias, torch.Tensor)
-                or weight.dim() < 2
-                or base is None
-                or len(base) != weight.dim()
-            ):
-                continue
-            scale = 1.0 / readout_width_scale(tuple(weight.shape), tuple(base))
-            with torch.no_grad():
-                bias.mul_(scale)
-            self.bias_scales[name] = scale
+    def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
+        point = super()._set_point(step, fslr)
+        prefix, model = self.fm.name_prefix, self.fm.module
+        mults = mup.width_mults(model, self.base.shapes)
+        readout = next(n for n, m in model.named_modules() if hasattr(m, _READOUT_MARK))
+        for name in self.names:
+            bare = name.removeprefix(prefix)
+            factor = mup._lr_factor(mults[bare], "adam")
+            if bare == (f"{readout}.weight" if readout else "weight"):
+                factor /= mults[bare][1] or 1.0
+            self.ratios[name] = factor
+        rates = self._rates_at(step)
+        return dataclasses.replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
 
 
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
@@ -1070,10 +1067,9 @@ VARIANTS: dict[str, Variant] = {
         "readout_built_upstream matched once, at step 0 (static): its step-0 rates held",
         recorder=_GAINS,
     ),
-    "readout_built_upstream_bias": Variant(
-        _flerm(ReadoutUpstreamBiasFLeRM, periodic=True),
-        "readout_built_upstream with muP's bias initialisation: every bias but the "
-        "readout's times sqrt(fan-in multiplier) before the first forward",
+    "readout_built_mup_rates": Variant(
+        _flerm(ReadoutBuiltMuPRatesFLeRM),
+        "a control: scale_readout, then muP's Adam rates held from step 0 instead of FLeRM's",
         recorder=_GAINS,
     ),
     "readout_built_static": Variant(

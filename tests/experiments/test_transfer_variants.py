@@ -11,6 +11,7 @@ from torch import nn
 
 import fslr_func as ff
 from fslr_func.experiments.configs import SweepConfig
+from fslr_func.experiments.mup import apply_mup
 from fslr_func.experiments.sweep import run_sweep
 from fslr_func.experiments.variants import (
     VARIANTS,
@@ -18,6 +19,7 @@ from fslr_func.experiments.variants import (
     GainTrackingFLeRM,
     GainTrackingRecorder,
     HiddenWidthPolicy,
+    ReadoutBuiltMuPRatesFLeRM,
     ReadoutGainFLeRM,
     ReadoutInitFLeRM,
     ReadoutInitFreshFLeRM,
@@ -384,6 +386,16 @@ def test_readout_upstream_matches_every_tensor_before_the_readout_in_feature_spa
     assert upstream.readout_scale == pytest.approx(0.5)
 
 
+def test_the_mup_rates_control_holds_mups_effective_adam_rates_on_the_scaled_readout():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    control = _run(32, base, cls=ReadoutBuiltMuPRatesFLeRM, steps=3)
+    mup_lrs = {g["name"]: g["lr"] for g in apply_mup(_net(32), _net(8), 1e-2)}
+    mup_lrs["4.weight"] /= 4  # muP's readout input is divided by m = 4: its effective rate
+    assert control.lrs() == pytest.approx(mup_lrs, rel=1e-6)
+    assert control.readout_scale == pytest.approx(0.5)  # sqrt(8 / 32), as muP's at init
+    assert len(control.history) == 1  # set once, at step 0, and held
+
+
 def test_the_readout_variants_refuse_output_matching():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     with pytest.raises(ValueError, match="read feature gains"):
@@ -415,6 +427,7 @@ def test_the_measured_readout_variants_are_registered():
     names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
     names |= {"readout_init_fresh", "readout_built_features", "readout_built_auto"}
     names |= {"readout_built_upstream", "readout_built_upstream_static"}
+    names |= {"readout_built_mup_rates"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
