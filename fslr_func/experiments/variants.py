@@ -84,6 +84,7 @@ from typing import Any
 import torch
 
 from ..io.record import FSLRRecord
+from ..probe.exact import exact
 from ..probe.functional import Inputs, as_output_tensor, split_inputs
 from ..probe.readout import ReadoutFinder
 from ..training import policies
@@ -739,6 +740,118 @@ class ReadoutBuiltMuPRatesFLeRM(ReadoutWidthBuiltFLeRM):
         return dataclasses.replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
 
 
+class _NoTensorOutput(Exception):
+    """The module whose output :class:`_ModuleOutput` returns gave no tensor."""
+
+
+class _ModuleOutput(torch.nn.Module):
+    """``model``'s forward, returning the output of its submodule ``name`` instead (caught by
+    a forward hook, the last call's); parameters ``m.<name>``."""
+
+    def __init__(self, model: torch.nn.Module, name: str) -> None:
+        super().__init__()
+        self.m = model
+        self.name = name
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        caught: list[torch.Tensor] = []
+
+        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
+            if isinstance(output, torch.Tensor):
+                caught.append(output)
+
+        handle = self.m.get_submodule(self.name).register_forward_hook(hook)
+        try:
+            self.m(*args, **kwargs)
+        finally:
+            handle.remove()
+        if not caught:
+            raise _NoTensorOutput(self.name)
+        return caught[-1]
+
+
+def local_gains(fm: FSLRModule, m: Any, names: Collection[str] | None = None) -> dict[str, float]:
+    r"""Per tensor, its *local* gain: the model output's movement over the movement of the
+    output of the module that holds it (both :func:`~fslr_func.exact`, RMS per coordinate),
+    for a measured step's update, on its first probe batch, at the weights before the step,
+    by bare name. The readout's own tensors (whose module output is the model's) have gain 1;
+    a tensor whose module returns no tensor, or whose update moves neither, is left out.
+
+    ``feature_gains``'s gain with the features taken at each tensor's own layer instead of
+    the readout's input: matching it (the base's gain over the scaled one's, times the
+    output-matched ratio) holds each layer's own output movement per step at the base's,
+    which under Adam is muP's rule where muP's assumptions hold (a hidden matrix's
+    sign-like update moves its output :math:`\propto` fan-in) and is measured where they
+    do not.
+    """
+    prefix, model = fm.name_prefix, fm.module
+    delta = {n: d for n, d in m.delta.items() if names is None or n.removeprefix(prefix) in names}
+    point = {**{n: p for n, p in model.named_parameters() if p.requires_grad}, **m.before}
+    x = m.inputs[0]
+    out = exact(model, x, delta, params=point, output_fn=fm.options.output_fn)
+    owners: dict[str, dict[str, torch.Tensor]] = {}
+    for name, d in delta.items():
+        owners.setdefault(name.rpartition(".")[0], {})[name] = d
+    gains: dict[str, float] = {}
+    for owner, own in owners.items():
+        try:
+            local = exact(
+                _ModuleOutput(model, owner),
+                x,
+                {f"m.{n}": d for n, d in own.items()},
+                params={f"m.{n}": v for n, v in point.items()},
+            )
+        except _NoTensorOutput:
+            continue  # no layer output to measure: the tensor stays output-matched
+        for name in own:
+            o, f = float(out[name]), float(local[f"m.{name}"])
+            if o > 0 and f > 0 and math.isfinite(o / f):
+                gains[name.removeprefix(prefix)] = o / f
+    return gains
+
+
+class LocalGainRecorder(Recorder):
+    """A base run's recorder that keeps :func:`local_gains` of its first recorded update in
+    ``record.meta["feature_gain"]``, where :class:`ReadoutLocalFLeRM` reads its base gains.
+
+    Args:
+        *args: :class:`~fslr_func.training.recorder.Recorder`'s.
+        **kwargs: :class:`~fslr_func.training.recorder.Recorder`'s.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "feature_gains": True})
+
+    def _measured(self, m: Any) -> None:
+        if "feature_gain" not in self.record.meta:
+            self.record.meta["feature_gain"] = local_gains(self.fm, m)
+        super()._measured(m)
+
+
+class ReadoutLocalFLeRM(ReadoutWidthBuiltFLeRM):
+    r""":class:`ReadoutUpstreamFLeRM` with each tensor's *own layer's* output movement matched
+    instead of the readout input's: ``scale_readout``, then every tensor's output-matched
+    ratio times :math:`G^\text{scaled}_W / G^\text{base}_W`, :math:`G` its
+    :func:`local_gains` (model output movement over its module's output movement, measured at
+    the first set point; the base's by :class:`LocalGainRecorder`), so that each layer's
+    output moves per step as the base's did. The readout's tensors have gain 1 in both:
+    output-matched.
+
+    Args:
+        *args: :class:`ReadoutWidthBuiltFLeRM`'s.
+        **kwargs: :class:`ReadoutWidthBuiltFLeRM`'s (``hidden_features`` is ``True``).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{**kwargs, "hidden_features": True, "match": "features_all"})
+
+    def _feature_factors(self, m: Any) -> dict[str, float]:
+        prefix = self.fm.name_prefix
+        wanted = self._feature_matched()
+        gains = local_gains(self.fm, m, names={n for n in wanted if n in self.base_gains})
+        return {prefix + n: g / self.base_gains[n] for n, g in gains.items()}
+
+
 class ReadoutInitWindowFLeRM(ReadoutInitFLeRM, WindowFLeRM):
     """:class:`ReadoutInitFLeRM`'s readout scale before the first step, then
     :class:`WindowFLeRM`'s re-match of the hidden tensors only (``feature_window30h``'s
@@ -1071,6 +1184,12 @@ VARIANTS: dict[str, Variant] = {
         _flerm(ReadoutBuiltMuPRatesFLeRM),
         "a control: scale_readout, then muP's Adam rates held from step 0 instead of FLeRM's",
         recorder=_GAINS,
+    ),
+    "readout_built_local": Variant(
+        _flerm(ReadoutLocalFLeRM, periodic=True),
+        "readout_built with every tensor's own layer output movement matched (local gains "
+        "measured at the first set point), the readout in output space",
+        recorder=LocalGainRecorder,
     ),
     "readout_built_static": Variant(
         _flerm(ReadoutWidthBuiltFLeRM),
