@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import math
+import types
 
 import pytest
 import torch
@@ -19,15 +20,18 @@ from fslr_func.experiments.variants import (
     GainTrackingFLeRM,
     GainTrackingRecorder,
     HiddenWidthPolicy,
+    LocalGainRecorder,
     ReadoutBuiltMuPRatesFLeRM,
     ReadoutGainFLeRM,
     ReadoutInitFLeRM,
     ReadoutInitFreshFLeRM,
     ReadoutInitWindowFLeRM,
+    ReadoutLocalFLeRM,
     ReadoutUpstreamFLeRM,
     ReadoutWidthBuiltFLeRM,
     ReadoutWidthFLeRM,
     WindowFLeRM,
+    local_gains,
     window_ratios,
 )
 
@@ -396,6 +400,43 @@ def test_the_mup_rates_control_holds_mups_effective_adam_rates_on_the_scaled_rea
     assert len(control.history) == 1  # set once, at step 0, and held
 
 
+def test_local_gains_are_output_movement_over_the_own_layers_output_movement():
+    net = _net(6)
+    fm = ff.with_fslr(net, samples=4, seed=0)
+    x = torch.randn(9, 5)
+    delta = {n: torch.randn_like(p) for n, p in net.named_parameters()}
+    before = {n: p.detach().clone() for n, p in net.named_parameters()}
+    m = types.SimpleNamespace(delta=delta, before=before, inputs=[x])
+    gains = local_gains(fm, m)
+    out = ff.exact(net, x, delta)
+    h = torch.relu(net[0](x)).detach()  # the input of the hidden layer "2"
+    layer = (h @ delta["2.weight"].T).square().mean().sqrt()  # its output's movement, RMS
+    assert gains["2.weight"] == pytest.approx(float(out["2.weight"] / layer), rel=1e-5)
+    bias = delta["2.bias"].expand(9, 6).square().mean().sqrt()
+    assert gains["2.bias"] == pytest.approx(float(out["2.bias"] / bias), rel=1e-5)
+    assert gains["4.weight"] == pytest.approx(1.0) and gains["4.bias"] == pytest.approx(1.0)
+    assert set(local_gains(fm, m, names={"0.weight"})) == {"0.weight"}
+
+
+def test_readout_local_scales_every_tensors_output_matched_ratio_by_its_local_factor():
+    base = _run(8, recorder=LocalGainRecorder).record
+    assert base.meta["feature_gain"]["4.weight"] == pytest.approx(1.0)  # the readout's own
+    output = _run(32, base, cls=ReadoutWidthBuiltFLeRM, steps=1)
+    local = _run(32, base, cls=ReadoutLocalFLeRM, steps=1)
+    assert set(local.feature_factors) == {
+        "0.weight",
+        "0.bias",
+        "2.weight",
+        "2.bias",
+        "4.weight",
+        "4.bias",
+    }
+    for name, factor in local.feature_factors.items():
+        ratio = local.ratios[name] / output.ratios[name]
+        assert ratio == pytest.approx(factor, rel=1e-5), name
+    assert local.feature_factors["4.weight"] == pytest.approx(1.0, rel=1e-5)
+
+
 def test_the_readout_variants_refuse_output_matching():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     with pytest.raises(ValueError, match="read feature gains"):
@@ -427,7 +468,7 @@ def test_the_measured_readout_variants_are_registered():
     names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
     names |= {"readout_init_fresh", "readout_built_features", "readout_built_auto"}
     names |= {"readout_built_upstream", "readout_built_upstream_static"}
-    names |= {"readout_built_mup_rates"}
+    names |= {"readout_built_mup_rates", "readout_built_local"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
