@@ -727,15 +727,63 @@ class ReadoutBuiltMuPRatesFLeRM(ReadoutWidthBuiltFLeRM):
 
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         point = super()._set_point(step, fslr)
-        prefix, model = self.fm.name_prefix, self.fm.module
-        mults = mup.width_mults(model, self.base.shapes)
-        readout = next(n for n, m in model.named_modules() if hasattr(m, _READOUT_MARK))
-        for name in self.names:
-            bare = name.removeprefix(prefix)
-            factor = mup._lr_factor(mults[bare], "adam")
-            if bare == (f"{readout}.weight" if readout else "weight"):
-                factor /= mults[bare][1] or 1.0
-            self.ratios[name] = factor
+        self.ratios.update(_mup_adam_ratios(self))
+        rates = self._rates_at(step)
+        return dataclasses.replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
+
+
+def _mup_adam_ratios(flerm: FLeRM) -> dict[str, float]:
+    """muP's Adam rate factors of the tensors ``flerm`` drives, on a model whose readout
+    :func:`~fslr_func.scale_readout` scaled: hidden matrices :math:`1/m_\text{in}`, the
+    readout's weight :math:`1/m`, others 1."""
+    prefix, model = flerm.fm.name_prefix, flerm.fm.module
+    mults = mup.width_mults(model, flerm.base.shapes)
+    readout = next(n for n, m in model.named_modules() if hasattr(m, _READOUT_MARK))
+    factors = {}
+    for name in flerm.names:
+        bare = name.removeprefix(prefix)
+        factor = mup._lr_factor(mults[bare], "adam")
+        if bare == (f"{readout}.weight" if readout else "weight"):
+            factor /= mults[bare][1] or 1.0
+        factors[name] = factor
+    return factors
+
+
+class ReadoutMuPAnchorFLeRM(ReadoutUpstreamFLeRM):
+    r""":class:`ReadoutUpstreamFLeRM`'s re-matching to the base's trajectory, anchored at
+    muP's rates instead of its own step-0 match: at set point :math:`t`,
+
+    .. math::
+
+        r_W(t) = r^\mu_W \, \frac{r^\text{up}_W(t)}{r^\text{up}_W(0)},
+
+    :math:`r^\mu_W` muP's Adam factor (:class:`ReadoutBuiltMuPRatesFLeRM`) and
+    :math:`r^\text{up}_W` the ratio ``readout_built_upstream`` matches. Matched once it is
+    the control; the question is whether the re-matching, which put the rule below muP on
+    the ResMLP, keeps that lead from muP's start, where the rule's own step-0 rates lose
+    (the PreNorm transformer).
+
+    Args:
+        *args: :class:`ReadoutUpstreamFLeRM`'s.
+        **kwargs: :class:`ReadoutUpstreamFLeRM`'s.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._first: dict[str, float] | None = None
+        self._matched: dict[str, float] | None = None
+
+    def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
+        if self._matched is not None:  # match on the rule's own ratios, not the anchored ones
+            self.ratios.clear()
+            self.ratios.update(self._matched)
+        point = super()._set_point(step, fslr)
+        self._matched = dict(self.ratios)
+        first = self._first = self._first or dict(self.ratios)
+        anchor = _mup_adam_ratios(self)
+        for name, ratio in self._matched.items():
+            if first.get(name, 0.0) > 0 and name in anchor:
+                self.ratios[name] = anchor[name] * ratio / first[name]
         rates = self._rates_at(step)
         return dataclasses.replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
 
@@ -1190,6 +1238,12 @@ VARIANTS: dict[str, Variant] = {
         "readout_built with every tensor's own layer output movement matched (local gains "
         "measured at the first set point), the readout in output space",
         recorder=LocalGainRecorder,
+    ),
+    "readout_built_mup_anchor": Variant(
+        _flerm(ReadoutMuPAnchorFLeRM, periodic=True),
+        "readout_built_upstream's re-matching every 10 steps relative to its step 0, from "
+        "muP's rates at step 0",
+        recorder=_GAINS,
     ),
     "readout_built_static": Variant(
         _flerm(ReadoutWidthBuiltFLeRM),

@@ -27,6 +27,7 @@ from fslr_func.experiments.variants import (
     ReadoutInitFreshFLeRM,
     ReadoutInitWindowFLeRM,
     ReadoutLocalFLeRM,
+    ReadoutMuPAnchorFLeRM,
     ReadoutUpstreamFLeRM,
     ReadoutWidthBuiltFLeRM,
     ReadoutWidthFLeRM,
@@ -437,6 +438,20 @@ def test_readout_local_scales_every_tensors_output_matched_ratio_by_its_local_fa
     assert local.feature_factors["4.weight"] == pytest.approx(1.0, rel=1e-5)
 
 
+def test_mup_anchor_starts_at_mups_rates_and_follows_the_rules_rematching():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    control = _run(32, base, cls=ReadoutBuiltMuPRatesFLeRM, steps=1)
+    first = _run(32, base, cls=ReadoutMuPAnchorFLeRM, steps=1, mode="periodic")
+    assert first.lrs() == pytest.approx(control.lrs(), rel=1e-6)  # step 0: muP's rates
+    anchored = _run(32, base, cls=ReadoutMuPAnchorFLeRM, steps=5, mode="periodic")
+    assert len(anchored.history) == 3  # set points at steps 0, 2 and 4
+    matched, start = anchored._matched, anchored._first
+    assert matched != start  # the rule's own ratios were re-matched on this run
+    for name, lr in anchored.lrs().items():  # the rule's change since step 0, on muP's start
+        expected = control.lrs()[name] * matched[name] / start[name]
+        assert lr == pytest.approx(expected, rel=1e-5), name
+
+
 def test_the_readout_variants_refuse_output_matching():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     with pytest.raises(ValueError, match="read feature gains"):
@@ -468,7 +483,7 @@ def test_the_measured_readout_variants_are_registered():
     names |= {"readout_init_window30h", "readout_built", "readout_built_static"}
     names |= {"readout_init_fresh", "readout_built_features", "readout_built_auto"}
     names |= {"readout_built_upstream", "readout_built_upstream_static"}
-    names |= {"readout_built_mup_rates", "readout_built_local"}
+    names |= {"readout_built_mup_rates", "readout_built_local", "readout_built_mup_anchor"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
