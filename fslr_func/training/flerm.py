@@ -340,6 +340,8 @@ class FLeRM(StepController):
         self.base_gains = _base_gains(fm, base, match)
         if match == "features":
             self._warn_if_nothing_hidden()
+        if match == "features_all":
+            self._warn_if_new_tensors()
         _warn_if_per_process(fm)
         _warn_if_other_optimizer(base, self.optimizer)
 
@@ -509,6 +511,30 @@ class FLeRM(StepController):
                 "base record's shapes (or it has none), but no tensor FLeRM drives is hidden "
                 "(fan-out and fan-in both different from the base's, as in a wider model), so "
                 "every tensor matches output movement, as with match='output'",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def _warn_if_new_tensors(self) -> None:
+        """Warn, for ``match="features_all"``, about driven tensors the base record does not
+        have (the blocks a deeper model adds): without a base feature gain they match output
+        movement while the base's own tensors match feature movement, a mixed allocation
+        measured only on width (docs/reproduction.md)."""
+        shapes = self.base.shapes
+        if not shapes:  # a record without shapes: nothing to compare
+            return
+        new = [
+            n.removeprefix(self.fm.name_prefix)
+            for n in self.names
+            if n.removeprefix(self.fm.name_prefix) not in shapes
+        ]
+        if new:
+            warnings.warn(
+                f"FLeRM: match='features_all' has no base feature gain for {new[:5]}"
+                f"{' and more' if len(new) > 5 else ''} (tensors the base record lacks, such "
+                "as added blocks): they match output movement, the base's tensors feature "
+                "movement. match='features_all' was measured on width only; for a deeper "
+                "model use match='output' (docs/flerm.md)",
                 RuntimeWarning,
                 stacklevel=3,
             )

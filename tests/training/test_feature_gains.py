@@ -136,6 +136,19 @@ def test_features_all_rescales_every_tensor_upstream_of_the_readout_by_its_gains
         ff.FLeRM(fm, opt, base, match="features", **options).load_state_dict(every.state_dict())
 
 
+def test_features_all_warns_about_tensors_the_base_record_lacks():
+    base = _base()
+    fm, opt, probes = _setup(16)
+    options = {"probe_batches": probes, "warmup_samples": 4}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the base's own tensors: silent
+        ff.FLeRM(fm, opt, base, match="features_all", **options)
+    shapes = {n: s for n, s in base.shapes.items() if n != "2.weight"}  # as if a block were added
+    deeper = FSLRRecord.from_dict({**base.to_dict(), "meta": {**base.meta, "shapes": shapes}})
+    with pytest.warns(RuntimeWarning, match=r"no base feature gain for \['2.weight'\]"):
+        ff.FLeRM(fm, opt, deeper, match="features_all", **options)
+
+
 def test_matching_features_needs_the_base_gains_and_a_known_mode():
     fm, opt, probes = _setup(16)
     plain = _base(feature_gains=False)
