@@ -727,24 +727,28 @@ class ReadoutBuiltMuPRatesFLeRM(ReadoutWidthBuiltFLeRM):
 
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         point = super()._set_point(step, fslr)
-        self.ratios.update(_mup_adam_ratios(self))
+        self.ratios.update(_mup_ratios(self))
         rates = self._rates_at(step)
         return dataclasses.replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
 
 
-def _mup_adam_ratios(flerm: FLeRM) -> dict[str, float]:
-    """muP's Adam rate factors of the tensors ``flerm`` drives, on a model whose readout
-    :func:`~fslr_func.scale_readout` scaled: hidden matrices :math:`1/m_\text{in}`, the
-    readout's weight :math:`1/m`, others 1."""
+def _mup_ratios(flerm: FLeRM) -> dict[str, float]:
+    """muP's rate factors (its Adam rules; its SGD rules for ``torch.optim.SGD``) of the
+    tensors ``flerm`` drives, on a model whose readout :func:`~fslr_func.scale_readout`
+    scaled, whose weight :math:`W` is muP's :math:`W'/m` (muP's :math:`1/m` input
+    multiplier): its factor is muP's over :math:`m` (Adam, scale-free updates) or
+    :math:`m^2` (SGD, whose gradient carries the :math:`1/m` too). Adam: hidden matrices
+    :math:`1/m_\text{in}`, the readout's weight :math:`1/m`, others 1."""
     prefix, model = flerm.fm.name_prefix, flerm.fm.module
+    kind: Any = "sgd" if isinstance(flerm.optimizer, torch.optim.SGD) else "adam"
     mults = mup.width_mults(model, flerm.base.shapes)
     readout = next(n for n, m in model.named_modules() if hasattr(m, _READOUT_MARK))
     factors = {}
     for name in flerm.names:
         bare = name.removeprefix(prefix)
-        factor = mup._lr_factor(mults[bare], "adam")
+        factor = mup._lr_factor(mults[bare], kind)
         if bare == (f"{readout}.weight" if readout else "weight"):
-            factor /= mults[bare][1] or 1.0
+            factor /= (mults[bare][1] or 1.0) ** (2 if kind == "sgd" else 1)
         factors[name] = factor
     return factors
 
@@ -780,7 +784,7 @@ class ReadoutMuPAnchorFLeRM(ReadoutUpstreamFLeRM):
         point = super()._set_point(step, fslr)
         self._matched = dict(self.ratios)
         first = self._first = self._first or dict(self.ratios)
-        anchor = _mup_adam_ratios(self)
+        anchor = _mup_ratios(self)
         for name, ratio in self._matched.items():
             if first.get(name, 0.0) > 0 and name in anchor:
                 self.ratios[name] = anchor[name] * ratio / first[name]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import types
@@ -74,11 +75,17 @@ def _net(width: int) -> nn.Module:
 
 
 def _run(
-    width: int, base: ff.FSLRRecord | None = None, recorder=ff.Recorder, cls=None, steps=10, **kw
+    width: int,
+    base: ff.FSLRRecord | None = None,
+    recorder=ff.Recorder,
+    cls=None,
+    steps=10,
+    optimizer=torch.optim.Adam,
+    **kw,
 ):
     model = _net(width)
     fm = ff.with_fslr(model, samples=4, seed=0, beta=0.0, strategy="loop")
-    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    opt = optimizer(fm.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(1)
     probes = (torch.randn(16, 5, generator=g) for _ in range(10_000))
     if base is None:
@@ -391,13 +398,48 @@ def test_readout_upstream_matches_every_tensor_before_the_readout_in_feature_spa
     assert upstream.readout_scale == pytest.approx(0.5)
 
 
-def test_the_mup_rates_control_holds_mups_effective_adam_rates_on_the_scaled_readout():
-    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
-    control = _run(32, base, cls=ReadoutBuiltMuPRatesFLeRM, steps=3)
-    mup_lrs = {g["name"]: g["lr"] for g in apply_mup(_net(32), _net(8), 1e-2)}
-    mup_lrs["4.weight"] /= 4  # muP's readout input is divided by m = 4: its effective rate
-    assert control.lrs() == pytest.approx(mup_lrs, rel=1e-6)
-    assert control.readout_scale == pytest.approx(0.5)  # sqrt(8 / 32), as muP's at init
+def _zero_bias_net(width: int) -> nn.Module:
+    net = _net(width)
+    for layer in net:
+        if isinstance(layer, nn.Linear):
+            nn.init.zeros_(layer.bias)  # as the matrix's models: muP's bias scaling is then moot
+    return net
+
+
+@pytest.mark.parametrize(
+    ("name", "optimizer"),
+    [("adam", torch.optim.Adam), ("sgd", functools.partial(torch.optim.SGD, momentum=0.9))],
+)
+def test_the_mup_rates_control_trains_as_mup_does(name, optimizer):
+    g = torch.Generator().manual_seed(1)
+    probes = (torch.randn(16, 5, generator=g) for _ in range(10_000))
+    data = [torch.randn(16, 5, generator=g) for _ in range(6)]
+
+    def train(model, opt, controller=None):
+        for x in data:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            with controller.step() if controller else contextlib.nullcontext():
+                opt.step()
+
+    fm = ff.with_fslr(_zero_bias_net(8), samples=4, seed=0, beta=0.0)
+    opt = optimizer(fm.parameters(), lr=1e-2)
+    recorder = ff.Recorder(fm, probes, optimizer=opt, warmup_samples=4, every=2, feature_gains=True)
+    train(fm, opt, recorder)
+    fm = ff.with_fslr(_zero_bias_net(32), samples=4, seed=0, beta=0.0)
+    opt = optimizer(fm.parameters(), lr=1e-2)
+    control = ReadoutBuiltMuPRatesFLeRM(
+        fm, opt, recorder.record, probe_batches=probes, warmup_samples=4, every=2
+    )
+    mup = _zero_bias_net(32)
+    mup_opt = optimizer(apply_mup(mup, _zero_bias_net(8), 1e-2, optimizer=name), lr=1e-2)
+    x = torch.randn(7, 5)
+    assert torch.equal(fm(x), mup(x))  # scale_readout gives muP's initial function
+    train(fm, opt, control)
+    train(mup, mup_opt)
+    with torch.no_grad():  # and its rates muP's updates (Adam: up to its eps)
+        assert torch.allclose(fm(x), mup(x), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(fm(x), _zero_bias_net(32)(x) * 0.5, atol=1e-3)  # it trained
     assert len(control.history) == 1  # set once, at step 0, and held
 
 
