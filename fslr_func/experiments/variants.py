@@ -710,12 +710,15 @@ class ReadoutUpstreamFLeRM(ReadoutWidthBuiltFLeRM):
 
 class ReadoutBuiltMuPRatesFLeRM(ReadoutWidthBuiltFLeRM):
     r"""A control, not a rule: :func:`~fslr_func.scale_readout` (muP's readout at
-    initialisation, the same function as ``apply_mup``'s) and then muP's Adam rates, set at
-    step 0 and held, in place of FLeRM's matched ones: hidden matrices :math:`1/m_\text{in}`,
-    the readout's weight :math:`1/m` (muP's effective rate through its :math:`1/m` input
-    multiplier), every other tensor 1, times the base rate. FLeRM's probe still runs at step
-    0 (its record is kept), so the run differs from muP's only in how the same readout is
-    parametrised, and from ``readout_built_upstream_static`` only in the rates.
+    initialisation, the same function as ``apply_mup``'s on a model with zero biases) and
+    then muP's rates, set at step 0 and held, in place of FLeRM's matched ones: with Adam,
+    hidden matrices :math:`1/m_\text{in}`, the readout's weight :math:`1/m` (muP's effective
+    rate through its :math:`1/m` input multiplier), every other tensor 1, times the base
+    rate; with ``torch.optim.SGD``, muP's SGD rules (:func:`_mup_ratios`). A test trains it
+    beside ``apply_mup``'s model: the same function after every step (Adam: up to its
+    ``eps``; the weight decay of AdamW is not muP's, FLeRM scaling it with the rate). FLeRM's
+    probe still runs at step 0, so the run differs from ``readout_built_upstream_static``
+    only in the rates.
 
     It separates, on a cell where ``readout_built_upstream`` trails muP, the rates (this
     control at muP's loss) from everything else (this control at the rule's loss).
@@ -761,7 +764,7 @@ class ReadoutMuPAnchorFLeRM(ReadoutUpstreamFLeRM):
 
         r_W(t) = r^\mu_W \, \frac{r^\text{up}_W(t)}{r^\text{up}_W(0)},
 
-    :math:`r^\mu_W` muP's Adam factor (:class:`ReadoutBuiltMuPRatesFLeRM`) and
+    :math:`r^\mu_W` muP's factor (:class:`ReadoutBuiltMuPRatesFLeRM`) and
     :math:`r^\text{up}_W` the ratio ``readout_built_upstream`` matches. Matched once it is
     the control; the question is whether the re-matching, which put the rule below muP on
     the ResMLP, keeps that lead from muP's start, where the rule's own step-0 rates lose
@@ -1234,7 +1237,7 @@ VARIANTS: dict[str, Variant] = {
     ),
     "readout_built_mup_rates": Variant(
         _flerm(ReadoutBuiltMuPRatesFLeRM),
-        "a control: scale_readout, then muP's Adam rates held from step 0 instead of FLeRM's",
+        "a control: scale_readout, then muP's rates held from step 0 instead of FLeRM's",
         recorder=_GAINS,
     ),
     "readout_built_local": Variant(
