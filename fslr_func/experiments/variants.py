@@ -45,6 +45,12 @@ on the ResMLP of 300 steps, multiplying the hidden weights' rates by 2.83 after 
 point gives 0.720 (re-tuned standard training 0.735, FLeRM 0.818), while doing the same to
 the input layer too gives 0.803.
 
+Three variants ask what muP still has where the rules trail it (docs/reproduction.md, "What
+muP still has"): :class:`ReadoutBuiltMuPRatesFLeRM`, a control (muP's rates in FLeRM's run,
+the same training as muP's); :class:`ReadoutLocalFLeRM`, each layer's own output movement
+matched (:func:`local_gains`, muP's principle measured); :class:`ReadoutMuPAnchorFLeRM`, the
+re-matching of ``readout_built_upstream`` started from muP's rates.
+
 :data:`VARIANTS` names the variants the matrix runs (``SweepConfig.flerm_variant``); each
 carries the probe options (``with_fslr`` keywords) of its base recordings and FLeRM runs.
 
@@ -838,6 +844,20 @@ def local_gains(fm: FSLRModule, m: Any, names: Collection[str] | None = None) ->
     which under Adam is muP's rule where muP's assumptions hold (a hidden matrix's
     sign-like update moves its output :math:`\propto` fan-in) and is measured where they
     do not.
+
+    Args:
+        fm: the wrapper that measured the step.
+        m: the step's measurement (its ``delta``, ``before`` and ``inputs``).
+        names: the tensors to measure, by bare name (default: every tensor the step moved).
+
+    Examples:
+        >>> import types, torch, fslr_func as ff
+        >>> net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        >>> delta = {n: 0.1 * torch.ones_like(p) for n, p in net.named_parameters()}
+        >>> m = types.SimpleNamespace(delta=delta, before={}, inputs=[torch.randn(8, 3)])
+        >>> gains = local_gains(ff.with_fslr(net), m)
+        >>> sorted(gains), round(gains["1.weight"], 6)  # the readout's own layer: gain 1
+        (['0.bias', '0.weight', '1.bias', '1.weight'], 1.0)
     """
     prefix, model = fm.name_prefix, fm.module
     delta = {n: d for n, d in m.delta.items() if names is None or n.removeprefix(prefix) in names}
