@@ -54,15 +54,12 @@ import dataclasses
 import functools
 import math
 from collections.abc import Callable, Mapping
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, ClassVar, Literal, Protocol, TypeVar
 
 import torch
 from torch import Tensor, nn
 
 from ..probe.names import block_role
-
-if TYPE_CHECKING:
-    from .task import Task
 
 __all__ = [
     "ADAM_LIKE",
@@ -278,7 +275,24 @@ def _build_mup_init(
     return model
 
 
-def mup_init_task(task: Task, base_scale: float) -> Task:
+class _TaskLike(Protocol):
+    """What :func:`mup_init_task` reads of a :class:`~fslr_func.experiments.task.Task` (a
+    dataclass with a name and a model builder); typed so, this module needs no import of
+    the task module, which imports the sweep configuration."""
+
+    __dataclass_fields__: ClassVar[dict[str, Any]]
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def build(self) -> Callable[[float, int], nn.Module]: ...
+
+
+_Task = TypeVar("_Task", bound=_TaskLike)
+
+
+def mup_init_task(task: _Task, base_scale: float) -> _Task:
     """``task`` with muP's initialisation and readout multiplier, for FLeRM (or any optimiser)
     to set the rates: :func:`apply_mup` without its param groups, the base model being
     ``task.build(base_scale, seed)``. At ``base_scale`` the models are ``task``'s own.
