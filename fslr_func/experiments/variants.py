@@ -793,12 +793,33 @@ class ReadoutMuPAnchorFLeRM(ReadoutUpstreamFLeRM):
         point = super()._set_point(step, fslr)
         self._matched = dict(self.ratios)
         first = self._first = self._first or dict(self.ratios)
-        anchor = _mup_ratios(self)
+        anchor = self._anchors()
         for name, ratio in self._matched.items():
             if first.get(name, 0.0) > 0 and name in anchor:
                 self.ratios[name] = anchor[name] * ratio / first[name]
         rates = self._rates_at(step)
         return dataclasses.replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
+
+    def _anchors(self) -> dict[str, float]:
+        """The tensors started from muP's rates, with muP's factors: every one."""
+        return _mup_ratios(self)
+
+
+class ReadoutMuPHiddenFLeRM(ReadoutMuPAnchorFLeRM):
+    """:class:`ReadoutMuPAnchorFLeRM` with only the hidden matrices (fan-out and fan-in both
+    wider than the base's) started from muP's rates; every other tensor keeps
+    ``readout_built_upstream``'s own: it asks whether the rule's loss to muP on the PreNorm
+    transformer is its hidden matrices' rates (its step-0 rates 0.11-0.34 of the base's,
+    muP's 0.125), or the others'.
+
+    Args:
+        *args: :class:`ReadoutMuPAnchorFLeRM`'s.
+        **kwargs: :class:`ReadoutMuPAnchorFLeRM`'s.
+    """
+
+    def _anchors(self) -> dict[str, float]:
+        hidden = {self.fm.name_prefix + n for n in self._hidden()}
+        return {n: f for n, f in _mup_ratios(self).items() if n in hidden}
 
 
 class _NoTensorOutput(Exception):
@@ -1270,6 +1291,12 @@ VARIANTS: dict[str, Variant] = {
         _flerm(ReadoutMuPAnchorFLeRM, periodic=True),
         "readout_built_upstream's re-matching every 10 steps relative to its step 0, from "
         "muP's rates at step 0",
+        recorder=_GAINS,
+    ),
+    "readout_built_mup_hidden": Variant(
+        _flerm(ReadoutMuPHiddenFLeRM, periodic=True),
+        "readout_built_mup_anchor with only the hidden matrices started from muP's rates, the "
+        "other tensors from the rule's own",
         recorder=_GAINS,
     ),
     "readout_built_static": Variant(

@@ -29,6 +29,7 @@ from fslr_func.experiments.variants import (
     ReadoutInitWindowFLeRM,
     ReadoutLocalFLeRM,
     ReadoutMuPAnchorFLeRM,
+    ReadoutMuPHiddenFLeRM,
     ReadoutUpstreamFLeRM,
     ReadoutWidthBuiltFLeRM,
     ReadoutWidthFLeRM,
@@ -494,6 +495,16 @@ def test_mup_anchor_starts_at_mups_rates_and_follows_the_rules_rematching():
         assert lr == pytest.approx(expected, rel=1e-5), name
 
 
+def test_mup_hidden_starts_only_the_hidden_matrices_at_mups_rates():
+    base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
+    control = _run(32, base, cls=ReadoutBuiltMuPRatesFLeRM, steps=1).lrs()
+    rule = _run(32, base, cls=ReadoutUpstreamFLeRM, steps=1, mode="periodic").lrs()
+    hidden = _run(32, base, cls=ReadoutMuPHiddenFLeRM, steps=1, mode="periodic").lrs()
+    assert hidden["2.weight"] == pytest.approx(control["2.weight"], rel=1e-6)  # the hidden one
+    for name in ("0.weight", "0.bias", "2.bias", "4.weight", "4.bias"):
+        assert hidden[name] == pytest.approx(rule[name], rel=1e-6), name
+
+
 def test_the_readout_variants_refuse_output_matching():
     base = _run(8, recorder=functools.partial(ff.Recorder, feature_gains=True)).record
     with pytest.raises(ValueError, match="read feature gains"):
@@ -526,6 +537,7 @@ def test_the_measured_readout_variants_are_registered():
     names |= {"readout_init_fresh", "readout_built_features", "readout_built_auto"}
     names |= {"readout_built_upstream", "readout_built_upstream_static"}
     names |= {"readout_built_mup_rates", "readout_built_local", "readout_built_mup_anchor"}
+    names |= {"readout_built_mup_hidden"}
     assert names <= set(VARIANTS)  # the sweep resolves a variant by its name
 
 
