@@ -94,7 +94,14 @@ from ..probe.exact import exact
 from ..probe.functional import Inputs, as_output_tensor, split_inputs
 from ..probe.readout import ReadoutFinder
 from ..training import policies
-from ..training.feature_gains import feature_gains, hidden_fan_in, readout_of, step_gains
+from ..training.feature_gains import (
+    NoReadoutError,
+    SubmoduleTensor,
+    feature_gains,
+    hidden_fan_in,
+    readout_of,
+    step_gains,
+)
 from ..training.flerm import FLeRM, Matched, SetPoint
 from ..training.readout_scale import _MARK as _READOUT_MARK
 from ..training.readout_scale import readout_width_scale, scale_readout
@@ -822,36 +829,6 @@ class ReadoutMuPHiddenFLeRM(ReadoutMuPAnchorFLeRM):
         return {n: f for n, f in _mup_ratios(self).items() if n in hidden}
 
 
-class _NoTensorOutput(Exception):
-    """The module whose output :class:`_ModuleOutput` returns gave no tensor."""
-
-
-class _ModuleOutput(torch.nn.Module):
-    """``model``'s forward, returning the output of its submodule ``name`` instead (caught by
-    a forward hook, the last call's); parameters ``m.<name>``."""
-
-    def __init__(self, model: torch.nn.Module, name: str) -> None:
-        super().__init__()
-        self.m = model
-        self.name = name
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        caught: list[torch.Tensor] = []
-
-        def hook(module: torch.nn.Module, inputs: Any, output: Any) -> None:
-            if isinstance(output, torch.Tensor):
-                caught.append(output)
-
-        handle = self.m.get_submodule(self.name).register_forward_hook(hook)
-        try:
-            self.m(*args, **kwargs)
-        finally:
-            handle.remove()
-        if not caught:
-            raise _NoTensorOutput(self.name)
-        return caught[-1]
-
-
 def local_gains(fm: FSLRModule, m: Any, names: Collection[str] | None = None) -> dict[str, float]:
     r"""Per tensor, its *local* gain: the model output's movement over the movement of the
     output of the module that holds it (both :func:`~fslr_func.exact`, RMS per coordinate),
@@ -892,12 +869,12 @@ def local_gains(fm: FSLRModule, m: Any, names: Collection[str] | None = None) ->
     for owner, own in owners.items():
         try:
             local = exact(
-                _ModuleOutput(model, owner),
+                SubmoduleTensor(model, owner, output=True),
                 x,
                 {f"m.{n}": d for n, d in own.items()},
                 params={f"m.{n}": v for n, v in point.items()},
             )
-        except _NoTensorOutput:
+        except NoReadoutError:
             continue  # no layer output to measure: the tensor stays output-matched
         for name in own:
             o, f = float(out[name]), float(local[f"m.{name}"])

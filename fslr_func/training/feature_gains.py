@@ -116,31 +116,47 @@ def readout_of(roles: Mapping[str, ReadoutRole]) -> str | None:
     return weights[0].rpartition(".")[0] if len(weights) == 1 else None
 
 
-class _ReadoutInput(nn.Module):
-    """``model``'s forward, returning the input of its submodule ``readout`` instead (caught
-    by a forward pre-hook for the duration of the call); parameters ``m.<name>``."""
+class SubmoduleTensor(nn.Module):
+    """``model``'s forward, returning the input (``output=False``) or the output of its
+    submodule ``name`` instead, caught by a hook for the duration of the call (the last
+    call's); its parameters are ``m.<name>``. :func:`feature_gains` measures the readout's
+    input through it; the transfer matrix's local gains each layer's output.
 
-    def __init__(self, model: nn.Module, readout: str) -> None:
+    Raises (when called):
+        NoReadoutError: the submodule got no tensor input, or returned no tensor.
+    """
+
+    def __init__(self, model: nn.Module, name: str, *, output: bool = False) -> None:
         super().__init__()
         self.m = model
-        self.readout = readout
+        self.name = name
+        self.output = output
 
     def forward(self, *args: Any, **kwargs: Any) -> Tensor:
         caught: list[Tensor] = []
 
-        def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
-            if inputs and isinstance(inputs[0], Tensor):
-                caught.append(inputs[0])
+        def keep(value: Any) -> None:
+            if isinstance(value, Tensor):
+                caught.append(value)
 
-        handle = self.m.get_submodule(self.readout).register_forward_pre_hook(hook)
+        module = self.m.get_submodule(self.name)
+        handle = (
+            module.register_forward_hook(lambda _m, _i, out: keep(out))
+            if self.output
+            else module.register_forward_pre_hook(
+                lambda _m, inputs: keep(inputs[0] if inputs else None)
+            )
+        )
         try:
             self.m(*args, **kwargs)
         finally:
             handle.remove()
         if not caught:
+            what = (
+                "did not return a tensor" if self.output else "was not called with a tensor input"
+            )
             raise NoReadoutError(
-                f"the readout {self.readout!r} was not called with a tensor input: there are no "
-                "features to measure"
+                f"the module {self.name!r} {what}: there are no features to measure"
             )
         return caught[-1]
 
@@ -182,7 +198,7 @@ def feature_gains(
     point = _trainable(model) if params is None else dict(params)
     out = exact(model, inputs, delta, params=point, output_fn=output_fn)
     features = exact(
-        _ReadoutInput(model, readout),
+        SubmoduleTensor(model, readout),
         inputs,
         {f"m.{n}": d for n, d in delta.items()},
         params={f"m.{n}": v for n, v in point.items()},

@@ -11,7 +11,12 @@ from torch import nn
 
 import fslr_func as ff
 from fslr_func.io.record import FSLRRecord
-from fslr_func.training.feature_gains import feature_gains, hidden_fan_in
+from fslr_func.training.feature_gains import (
+    NoReadoutError,
+    SubmoduleTensor,
+    feature_gains,
+    hidden_fan_in,
+)
 
 D_IN, CLASSES, STEPS = 5, 3, 4
 
@@ -36,6 +41,26 @@ def test_a_feature_gain_is_the_output_movement_over_the_readout_inputs():
     want = float(rms(moved @ net[1].weight.detach().T) / rms(moved))
     assert set(gains) == {"0.weight"}  # the readout's own update moves no features
     assert math.isclose(gains["0.weight"], want, rel_tol=1e-6)
+
+
+class _Pair(nn.Module):
+    def forward(self, x):
+        return x, x
+
+
+def test_a_submodules_input_or_output_is_caught_or_refused_by_name():
+    net = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 2))
+    x = torch.randn(3, 4)
+    hidden = torch.tanh(net[0](x))
+    assert torch.equal(SubmoduleTensor(net, "2")(x), hidden)  # the readout's input
+    assert torch.equal(SubmoduleTensor(net, "1", output=True)(x), hidden)  # tanh's output
+    pair = nn.Sequential(nn.Linear(4, 4), _Pair())
+    with pytest.raises(NoReadoutError, match="'1' did not return a tensor"):
+        SubmoduleTensor(pair, "1", output=True)(x)
+    unused = nn.ModuleDict({"a": nn.Linear(4, 4), "b": nn.Linear(4, 4)})
+    unused.forward = lambda x: unused["a"](x)  # "b" is never called
+    with pytest.raises(NoReadoutError, match="'b' was not called with a tensor input"):
+        SubmoduleTensor(unused, "b")(x)
 
 
 def test_hidden_tensors_are_those_wider_in_both_dims():
