@@ -90,13 +90,11 @@ from typing import Any
 import torch
 
 from ..io.record import FSLRRecord
-from ..probe.exact import exact
 from ..probe.functional import Inputs, as_output_tensor, split_inputs
 from ..probe.readout import ReadoutFinder
 from ..training import policies
 from ..training.feature_gains import (
     NoReadoutError,
-    SubmoduleTensor,
     feature_gains,
     hidden_fan_in,
     readout_of,
@@ -744,8 +742,7 @@ class ReadoutBuiltMuPRatesFLeRM(ReadoutWidthBuiltFLeRM):
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         point = super()._set_point(step, fslr)
         self.ratios.update(_mup_ratios(self))
-        rates = self._rates_at(step)
-        return dataclasses.replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
+        return dataclasses.replace(point, lrs=self._lrs_at(step))
 
 
 def _mup_ratios(flerm: FLeRM) -> dict[str, float]:
@@ -755,18 +752,14 @@ def _mup_ratios(flerm: FLeRM) -> dict[str, float]:
     multiplier): its factor is muP's over :math:`m` (Adam, scale-free updates) or
     :math:`m^2` (SGD, whose gradient carries the :math:`1/m` too). Adam: hidden matrices
     :math:`1/m_\text{in}`, the readout's weight :math:`1/m`, others 1."""
-    prefix, model = flerm.fm.name_prefix, flerm.fm.module
-    kind: Any = "sgd" if isinstance(flerm.optimizer, torch.optim.SGD) else "adam"
-    mults = mup.width_mults(model, flerm.base.shapes)
+    prefix, model, shapes = flerm.fm.name_prefix, flerm.fm.module, flerm.base.shapes
+    kind = "sgd" if isinstance(flerm.optimizer, torch.optim.SGD) else "adam"
+    factors = {g["name"]: g["lr"] for g in mup.mup_groups(model, shapes, 1.0, optimizer=kind)}
     readout = next(n for n, m in model.named_modules() if hasattr(m, _READOUT_MARK))
-    factors = {}
-    for name in flerm.names:
-        bare = name.removeprefix(prefix)
-        factor = mup._lr_factor(mults[bare], kind)
-        if bare == (f"{readout}.weight" if readout else "weight"):
-            factor /= (mults[bare][1] or 1.0) ** (2 if kind == "sgd" else 1)
-        factors[name] = factor
-    return factors
+    weight = f"{readout}.weight" if readout else "weight"
+    m = mup.width_mults(model, shapes)[weight][1] or 1.0
+    factors[weight] /= m ** (2 if kind == "sgd" else 1)
+    return {name: factors[name.removeprefix(prefix)] for name in flerm.names}
 
 
 class ReadoutMuPAnchorFLeRM(ReadoutUpstreamFLeRM):
@@ -804,8 +797,7 @@ class ReadoutMuPAnchorFLeRM(ReadoutUpstreamFLeRM):
         for name, ratio in self._matched.items():
             if first.get(name, 0.0) > 0 and name in anchor:
                 self.ratios[name] = anchor[name] * ratio / first[name]
-        rates = self._rates_at(step)
-        return dataclasses.replace(point, lrs={n: rates[n][1] for n in self.names if n in rates})
+        return dataclasses.replace(point, lrs=self._lrs_at(step))
 
     def _anchors(self) -> dict[str, float]:
         """The tensors started from muP's rates, with muP's factors: every one."""
@@ -860,26 +852,24 @@ def local_gains(fm: FSLRModule, m: Any, names: Collection[str] | None = None) ->
     prefix, model = fm.name_prefix, fm.module
     delta = {n: d for n, d in m.delta.items() if names is None or n.removeprefix(prefix) in names}
     point = {**{n: p for n, p in model.named_parameters() if p.requires_grad}, **m.before}
-    x = m.inputs[0]
-    out = exact(model, x, delta, params=point, output_fn=fm.options.output_fn)
     owners: dict[str, dict[str, torch.Tensor]] = {}
     for name, d in delta.items():
         owners.setdefault(name.rpartition(".")[0], {})[name] = d
     gains: dict[str, float] = {}
     for owner, own in owners.items():
         try:
-            local = exact(
-                SubmoduleTensor(model, owner, output=True),
-                x,
-                {f"m.{n}": d for n, d in own.items()},
-                params={f"m.{n}": v for n, v in point.items()},
+            found = feature_gains(
+                model,
+                m.inputs[0],
+                own,
+                readout=owner,
+                at_output=True,
+                params=point,
+                output_fn=fm.options.output_fn,
             )
         except NoReadoutError:
             continue  # no layer output to measure: the tensor stays output-matched
-        for name in own:
-            o, f = float(out[name]), float(local[f"m.{name}"])
-            if o > 0 and f > 0 and math.isfinite(o / f):
-                gains[name.removeprefix(prefix)] = o / f
+        gains.update({n.removeprefix(prefix): g for n, g in found.items()})
     return gains
 
 
@@ -974,9 +964,7 @@ class GainTrackingFLeRM(FLeRM):
             self._output = {n: r / factors.get(n, 1.0) for n, r in self.ratios.items()}
             return point
         self.ratios.update({n: r * factors.get(n, 1.0) for n, r in self._output.items()})
-        rates = self._rates_at(step)
-        lrs = {n: rates[n][1] for n in self.names if n in rates}
-        return SetPoint(step=step, lrs=lrs, fslr=dict(fslr), targets={}, held=())
+        return SetPoint(step=step, lrs=self._lrs_at(step), fslr=dict(fslr), targets={}, held=())
 
 
 @dataclass(frozen=True)

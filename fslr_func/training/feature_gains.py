@@ -167,6 +167,7 @@ def feature_gains(
     delta: Mapping[str, Tensor],
     *,
     readout: str,
+    at_output: bool = False,
     params: Mapping[str, Tensor] | None = None,
     output_fn: OutputFn | None = None,
 ) -> dict[str, float]:
@@ -180,11 +181,13 @@ def feature_gains(
         inputs: one probe batch.
         delta: tensor name -> update (any scale: the gain is a ratio).
         readout: the readout module's name (:func:`readout_of`).
+        at_output: measure the movement of ``readout``'s output instead of its input (any
+            submodule's: the transfer matrix's local gains, each layer's own output).
         params: the weights to linearise at (default: the current ones).
         output_fn: maps the model output to the tensor whose movement counts, as in the probe.
 
     Raises:
-        NoReadoutError: ``readout`` gets no tensor input.
+        NoReadoutError: ``readout`` gets no tensor input (returns no tensor, ``at_output``).
         ValueError: ``readout`` is not a module of ``model``, and :func:`fslr_func.exact`'s
             errors.
 
@@ -198,7 +201,7 @@ def feature_gains(
     point = _trainable(model) if params is None else dict(params)
     out = exact(model, inputs, delta, params=point, output_fn=output_fn)
     features = exact(
-        SubmoduleTensor(model, readout),
+        SubmoduleTensor(model, readout, output=at_output),
         inputs,
         {f"m.{n}": d for n, d in delta.items()},
         params={f"m.{n}": v for n, v in point.items()},

@@ -416,7 +416,11 @@ class FLeRM(StepController):
 
     def lrs(self) -> dict[str, float]:
         """Learning rate of each tensor at the next step (``t``), FLeRM and schedule applied."""
-        rates = self._rates_at(self.t, stepping=False)
+        return self._lrs_at(self.t, stepping=False)
+
+    def _lrs_at(self, step: int, *, stepping: bool = True) -> dict[str, float]:
+        """FLeRM's rate of each driven tensor at ``step`` (:meth:`_rates_at`'s second)."""
+        rates = self._rates_at(step, stepping=stepping)
         return {n: rates[n][1] for n in self.names if n in rates}
 
     # ------------------------------------------------------------------ the step
@@ -476,10 +480,9 @@ class FLeRM(StepController):
             )
         idle = {n for n, (lr, _) in self._rates.items() if not lr}
         _report(matched, step, self.min_fslr, self._note_each, idle)
-        rates = self._rates_at(step)
         return SetPoint(
             step=step,
-            lrs={n: rates[n][1] for n in self.names if n in rates},
+            lrs=self._lrs_at(step),
             fslr=measured,
             targets=targets,
             held=matched.zero + matched.nonfinite + matched.unmatched,
