@@ -7,7 +7,13 @@ the weights and exited just after. :class:`StepHooks` enters and exits that same
 manager from ``torch.optim.Optimizer.register_step_pre_hook`` and
 ``register_step_post_hook``, so any loop or framework that calls ``optimizer.step()``
 (Hugging Face ``Trainer`` and ``accelerate``, Lightning, gradient accumulation and clipping,
-a ``GradScaler``, whose skipped steps call no hook) is covered without editing the loop.
+a ``GradScaler``) is covered without editing the loop.
+
+A step a ``GradScaler`` skips (gradients not finite) is no step here, whatever the optimiser:
+a for-loop or ``foreach`` optimiser's skipped step calls no hook, and a fused one's, which the
+scaler runs with ``optimizer.found_inf`` set so that the kernel leaves weights and state as
+they were, is recognised from that flag in its pre-hook and passed over (its post-hook too).
+Both kinds of optimiser therefore count the same steps.
 
 A step of several optimisers (Muon on the matrices, AdamW on the rest) is one *round*: the
 context manager is entered at the first optimiser's pre-hook and exited once every optimiser
@@ -87,6 +93,27 @@ def unwrap_scheduler(scheduler: Any) -> Any:
     return inner if isinstance(inner, torch.optim.lr_scheduler.LRScheduler) else scheduler
 
 
+def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer.step()`` is a step a ``GradScaler`` skips inside the optimiser.
+
+    ``GradScaler.step`` hands an optimiser that unscales in its own kernel (the fused ones:
+    ``_step_supports_amp_scaling``) the count of non-finite gradients as
+    ``optimizer.found_inf`` for the duration of its ``step()``; a non-zero count makes the
+    kernel leave weights and state unchanged. Reading it is one device sync, which the
+    scaler's non-fused path makes too.
+
+    Examples:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> _skipped_by_scaler(opt)
+        False
+        >>> opt.found_inf = torch.tensor(1.0)
+        >>> _skipped_by_scaler(opt)
+        True
+    """
+    found_inf = getattr(optimizer, "found_inf", None)
+    return isinstance(found_inf, torch.Tensor) and bool(found_inf.item() != 0)
+
+
 class StepHooks:
     """Enters ``step()`` before every round of optimiser steps and exits it after.
 
@@ -110,6 +137,7 @@ class StepHooks:
         self._open: contextlib.AbstractContextManager[Any] | None = None
         self._entered: set[int] = set()
         self._stepped: set[int] = set()
+        self._skipped: set[int] = set()
         self._busy = False
         self._handles = [
             h
@@ -129,6 +157,10 @@ class StepHooks:
         if self._busy:
             return
         key = id(optimizer)
+        self._skipped.discard(key)  # (left by a skipped step that raised)
+        if _skipped_by_scaler(optimizer):
+            self._skipped.add(key)  # as a non-fused optimiser's skipped step: no hook at all
+            return
         if self._open is not None and key in self._entered - self._stepped:
             warnings.warn(
                 "the previous optimizer.step() did not finish (it raised): its measurement is "
@@ -147,6 +179,9 @@ class StepHooks:
         self._entered.add(key)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if id(optimizer) in self._skipped:
+            self._skipped.discard(id(optimizer))
+            return
         if self._busy or self._open is None:
             return
         self._stepped.add(id(optimizer))

@@ -176,3 +176,44 @@ def test_wrapped_optimiser_is_unwrapped_and_lbfgs_is_refused() -> None:
         ff.FLeRM(fm, lbfgs, base, probe_batches=stream())
     with pytest.raises(ValueError, match="at least one"):
         StepHooks(lambda: _nothing(), [])  # type: ignore[arg-type,return-value]
+
+
+@pytest.mark.parametrize("kind", ["Recorder", "FLeRM"])
+def test_a_scaler_skipped_step_counts_the_same_for_fused_and_foreach_optimisers(kind: str) -> None:
+    """A ``GradScaler`` skips steps 1 and 3 (non-finite gradients): a ``foreach`` optimiser
+    then calls no hook, a fused one is called with ``found_inf`` set; attached, both count the
+    three steps taken, and record or set the same rates at them."""
+    base = base_record() if kind == "FLeRM" else None
+    results = []
+    for fused in (False, True):
+        fm = model(width=20 if base is not None else 10)
+        opt = torch.optim.Adam(fm.parameters(), lr=1e-2, fused=fused, foreach=not fused)
+        controller: Recorder | ff.FLeRM = (
+            Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=1)
+            if base is None
+            else ff.FLeRM(fm, opt, base, probe_batches=stream(3), warmup_samples=8)
+        )
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+        with controller.attach():
+            for t in range(5):
+                opt.zero_grad()
+                x = torch.randn(
+                    8, 6, generator=torch.Generator().manual_seed(t), dtype=torch.float64
+                )
+                loss = fm(x).square().mean() * (torch.inf if t in (1, 3) else 1.0)
+                scaler.scale(loss).backward()
+                scaler.step(opt)
+                scaler.update()
+        assert controller.t == 3, (fused, controller.t)
+        results.append(
+            controller.record.to_rows() if isinstance(controller, Recorder) else controller.lrs()
+        )
+    foreach, fused_result = results
+    if kind == "Recorder":
+        assert [r["step"] for r in foreach] == [r["step"] for r in fused_result] == [0, 1, 2]
+        for a, b in zip(foreach, fused_result, strict=True):
+            assert a.keys() == b.keys()
+            assert all(a[k] == pytest.approx(b[k], rel=1e-9) for k in a)
+    else:
+        assert foreach.keys() == fused_result.keys()
+        assert all(foreach[k] == pytest.approx(fused_result[k], rel=1e-9) for k in foreach)
