@@ -25,7 +25,8 @@ budget, base width and norm placement no variant or option was chosen on, named 
 were run, to check that the matrix's findings hold off it.
 ``BUDGET_CELLS``: the held-out cells of the budget rule (the variant ``feature_budget``),
 named before it was run on any of them. ``OPTIMIZER_CELLS``: AdamW and SGD cells, named
-before ``readout_built_upstream`` ran on them. Each read-out also gives the test losses at the
+before ``readout_built_upstream`` ran on them. ``DEPTH_CELLS``: depth, and width and depth
+together, named before any run of them. Each read-out also gives the test losses at the
 rates training loss chose (a second table; ``test_ratio`` in ``--json``): a cell whose wide
 model memorises its data can be read on unseen data too. ``--top-scale K`` runs cells at
 K times the base width instead of 8.
@@ -149,6 +150,22 @@ OPTIMIZER_CELLS: dict[str, SweepConfig] = {
     "conv1d-bn-w16-s150-sgd": _cell("resconv_bn", 150, 2, optimizer="sgd", lrs=octaves(-9, 0)),
 }
 
+#: Depth, and width and depth together (``axis``; FLeRM's policy ``share_blocks``), named
+#: before any run of them: does ``scale_readout`` with ``match="features_all"`` keep its lead
+#: where the scaled model adds blocks the base lacks (each added block's feature gain against
+#: the base block its FSLR target answers to)? muP scales width only. The conv net and the
+#: transformer are run at 4x (``--top-scale 4``) for their cost on 2 cores.
+DEPTH_CELLS: dict[str, SweepConfig] = {
+    "resmlp-depth-s150": _cell("resmlp", 150, 3, axis="depth"),
+    "resmlp-wd-s150": _cell("resmlp", 150, 3, axis="width_depth"),
+    "resmlp-wd-s300": _cell("resmlp", 300, 2, axis="width_depth"),
+    "resmlp-aug-wd-s150": _cell("resmlp", 150, 2, axis="width_depth", data="digits_aug"),
+    "conv1d-bn-wd-w16-s150": _cell("resconv_bn", 150, 2, axis="width_depth"),
+    "transformer-wd-d16-s150": _cell(
+        "transformer", 150, 2, width=16, lrs=octaves(-10, -3), axis="width_depth"
+    ),
+}
+
 #: Every cell by name, in the order ``--list`` prints them.
 ALL_CELLS: dict[str, SweepConfig] = {
     **CELLS,
@@ -156,6 +173,7 @@ ALL_CELLS: dict[str, SweepConfig] = {
     **HELD_OUT_CELLS,
     **BUDGET_CELLS,
     **OPTIMIZER_CELLS,
+    **DEPTH_CELLS,
 }
 
 
