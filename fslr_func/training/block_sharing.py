@@ -57,14 +57,24 @@ def _block_pairs(n_base: int, n_scaled: int) -> list[tuple[int, int]]:
     return [(m * n_scaled // n_base, m) for m in range(n_base)]
 
 
-def _share(
-    base: Mapping[str, float], scaled: Sequence[str], rx: re.Pattern[str], who: str
-) -> dict[str, float]:
+def _links(
+    base: Iterable[str], scaled: Sequence[str], rx: re.Pattern[str], who: str
+) -> list[tuple[str, str]]:
+    """The (scaled tensor, base tensor) pairs of the block mapping (see the module docstring):
+    block-less names with themselves, each scaled block's tensors with those of the base block
+    it answers to (one base block for ``L >= B``, several for ``L < B``).
+
+    Raises:
+        ValueError: naming the tensors where block-less names, roles, or per-block tensors do
+            not correspond.
+    """
     check_unique(scaled)
+    base = list(base)
     b, s = _Layout(base, rx), _Layout(scaled, rx)
     problems: list[str] = []
+    base_set = set(base)
 
-    missing_plain = [n for n in s.plain if n not in base]
+    missing_plain = [n for n in s.plain if n not in base_set]
     scaled_plain = set(s.plain)
     extra_plain = [n for n in b.plain if n not in scaled_plain]
     if missing_plain:
@@ -87,10 +97,8 @@ def _share(
             f"base block tensors whose role is absent from the scaled model: {extra_roles}"
         )
 
-    targets: dict[str, float] = {n: float(base[n]) for n in s.plain if n in base}
+    links: list[tuple[str, str]] = [(n, n) for n in s.plain if n in base_set]
     if not problems:
-        # pairs (scaled tensor, base tensor) with, for each base tensor, its multiplicity
-        links: list[tuple[str, str]] = []
         unmatched_scaled: list[str] = []
         unmatched_base: list[str] = []
         for stack in s.blocks:
@@ -116,16 +124,35 @@ def _share(
             problems.append(f"scaled tensors with no base counterpart: {unmatched_scaled[:10]}")
         if unmatched_base:
             problems.append(f"base tensors with no scaled counterpart: {unmatched_base[:10]}")
-        multiplicity = Counter(bn for _, bn in links)
-        for sn, bn in links:
-            targets[sn] = targets.get(sn, 0.0) + float(base[bn]) / multiplicity[bn]
     if problems:
         raise ValueError(
             f"{who}: the base record does not match the scaled model (block pattern "
             f"{rx.pattern!r}): " + "; ".join(problems) + ". Use a record of the same "
             "architecture, a block pattern that matches your block names, or a custom policy."
         )
+    return links
+
+
+def _share(
+    base: Mapping[str, float], scaled: Sequence[str], rx: re.Pattern[str], who: str
+) -> dict[str, float]:
+    links = _links(base, scaled, rx, who)
+    multiplicity = Counter(bn for _, bn in links)  # the scaled tensors sharing each base tensor
+    targets: dict[str, float] = {}
+    for sn, bn in links:
+        targets[sn] = targets.get(sn, 0.0) + float(base[bn]) / multiplicity[bn]
     return {n: targets[n] for n in scaled}
+
+
+def _counterparts(
+    base: Iterable[str], scaled: Sequence[str], rx: re.Pattern[str]
+) -> dict[str, tuple[str, ...]]:
+    """Scaled tensor -> the base tensors it answers to (:func:`_links`), for
+    :func:`fslr_func.training.policies.counterparts`."""
+    out: dict[str, list[str]] = {}
+    for sn, bn in _links(base, scaled, rx, f"block mapping (pattern {rx.pattern!r})"):
+        out.setdefault(sn, []).append(bn)
+    return {n: tuple(out[n]) for n in scaled if n in out}
 
 
 def share_blocks(pattern: str | re.Pattern[str] = DEFAULT_PATTERN) -> Policy:
@@ -166,7 +193,7 @@ def share_blocks(pattern: str | re.Pattern[str] = DEFAULT_PATTERN) -> Policy:
     def policy(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
         return _share(base, scaled, rx, name)
 
-    return named(policy, name)
+    return named(policy, name, counterparts=lambda base, scaled: _counterparts(base, scaled, rx))
 
 
 # ---------------------------------------------------------------------------------- ablations
@@ -196,7 +223,7 @@ def equal(total: float = 1.0, *, pattern: str | re.Pattern[str] = DEFAULT_PATTER
         value = t / len(base)
         return _share(dict.fromkeys(base, value), scaled, rx, name)
 
-    return named(policy, name)
+    return named(policy, name, counterparts=lambda base, scaled: _counterparts(base, scaled, rx))
 
 
 def equal_all(total: float = 1.0) -> Policy:

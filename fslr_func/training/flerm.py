@@ -65,6 +65,7 @@ import contextlib
 import hashlib
 import json
 import math
+import statistics
 import warnings
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
@@ -337,7 +338,7 @@ class FLeRM(StepController):
         self.match: Matched = match
         self.feature_power = float(feature_power)
         self.feature_factors: dict[str, float] | None = None
-        self.base_gains = _base_gains(fm, base, match)
+        self.base_gains = self._answering_gains(_base_gains(fm, base, match))
         if match == "features":
             self._warn_if_nothing_hidden()
         if match == "features_all":
@@ -488,6 +489,21 @@ class FLeRM(StepController):
             held=matched.zero + matched.nonfinite + matched.unmatched,
         )
 
+    def _answering_gains(self, recorded: Mapping[str, float]) -> dict[str, float]:
+        """Per driven tensor (bare name), the base feature gain its own is compared with: that
+        of the base tensor its target answers to under the policy (the tensor of its name, or
+        under ``share_blocks`` the base block it replaces; the geometric mean where it answers
+        to several, a shallower model's block), so an added block's feature movement is
+        matched to its base block's."""
+        if not recorded:
+            return {}
+        gains = {self.targets.base_names.get(b, b): g for b, g in recorded.items()}
+        out: dict[str, float] = {}
+        for name, bases in self.targets.counterparts(self.names).items():
+            if bases and all(b in gains for b in bases):
+                out[name] = math.exp(statistics.fmean(math.log(gains[b]) for b in bases))
+        return out
+
     def _hidden(self) -> dict[str, float]:
         """The hidden tensors against the base record (bare names -> fan-in multipliers,
         :func:`~fslr_func.training.feature_gains.hidden_fan_in`)."""
@@ -519,25 +535,20 @@ class FLeRM(StepController):
             )
 
     def _warn_if_new_tensors(self) -> None:
-        """Warn, for ``match="features_all"``, about driven tensors the base record does not
-        have (the blocks a deeper model adds): without a base feature gain they match output
-        movement while the base's own tensors match feature movement, a mixed allocation
-        measured only on width (docs/reproduction.md)."""
-        shapes = self.base.shapes
-        if not shapes:  # a record without shapes: nothing to compare
-            return
-        new = [
-            n.removeprefix(self.fm.name_prefix)
-            for n in self.names
-            if n.removeprefix(self.fm.name_prefix) not in shapes
-        ]
+        """Warn, for ``match="features_all"``, about driven tensors with no base tensor to
+        compare their feature gain with (a policy without ``counterparts`` over a model that
+        adds tensors the base lacks): they match output movement while the others match
+        feature movement, a mixed allocation never measured."""
+        known = self.targets.counterparts(self.names)
+        new = [b for n in self.names if (b := n.removeprefix(self.fm.name_prefix)) not in known]
         if new:
             warnings.warn(
-                f"FLeRM: match='features_all' has no base feature gain for {new[:5]}"
-                f"{' and more' if len(new) > 5 else ''} (tensors the base record lacks, such "
-                "as added blocks): they match output movement, the base's tensors feature "
-                "movement. match='features_all' was measured on width only; for a deeper "
-                "model use match='output' (docs/flerm.md)",
+                f"FLeRM: match='features_all' has no base tensor to compare the feature gain of "
+                f"{new[:5]}{' and more' if len(new) > 5 else ''} with (the policy "
+                f"{policies.describe(self.targets.policy)} names no counterpart for them): they "
+                "match output movement, the others feature movement. Use a policy that names "
+                "its counterparts (identity, share_blocks, equal; or give yours a "
+                "counterparts(base, scaled) attribute) or match='output' (docs/flerm.md)",
                 RuntimeWarning,
                 stacklevel=3,
             )

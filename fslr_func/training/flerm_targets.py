@@ -276,6 +276,32 @@ class BaseTargets:
                 if bare[n] in moved or (n in driven and n not in self.late)
             ]
         else:
-            model = [bare[n] for n, p in self.params.items() if p.requires_grad or n in driven]
+            model = self._mapped(driven)
         targets = policies.apply(self.policy, moved, model, allow_zero=True)
         return {n: targets[bare[n]] for n in names if bare[n] in targets}
+
+    def _mapped(self, driven: set[str]) -> list[str]:
+        """The bare names a policy that is not one-to-one maps: the trainable tensors and
+        those driven."""
+        return [self.bare[n] for n, p in self.params.items() if p.requires_grad or n in driven]
+
+    def counterparts(self, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
+        """For each tensor of ``names`` (bare name), the base tensors (bare names) whose
+        targets the policy maps onto it (:func:`fslr_func.training.policies.counterparts`):
+        the tensor of its name under a one-to-one policy, the base block it answers to under
+        ``share_blocks``.
+
+        Examples:
+            >>> import torch, fslr_func as ff
+            >>> base = ff.FSLRRecord(meta={"base_lr": 0.1})
+            >>> base.append(0, {"weight": 0.5, "bias": 0.25})
+            >>> fm = ff.with_fslr(torch.nn.Linear(3, 2), samples=2, seed=0)
+            >>> BaseTargets(fm, base, "identity").counterparts(["weight"])
+            {'weight': ('weight',)}
+        """
+        recorded = list(self.base_names.values())
+        if self.one_to_one:
+            links = policies.counterparts(self.policy, recorded, list(self.bare.values()))
+        else:
+            links = policies.counterparts(self.policy, recorded, self._mapped(set(names)))
+        return {self.bare[n]: links[self.bare[n]] for n in names if self.bare[n] in links}

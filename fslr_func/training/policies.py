@@ -46,12 +46,12 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import SupportsFloat, TypeAlias, cast
 
 from ..probe.names import short_lists
 from .block_sharing import equal, equal_all, share_blocks
-from .policy_base import DEFAULT_PATTERN, Policy, check_unique, identity
+from .policy_base import DEFAULT_PATTERN, Policy, check_unique, identity, same_names
 
 __all__ = [
     "DEFAULT_PATTERN",
@@ -59,6 +59,7 @@ __all__ = [
     "Policy",
     "PolicySpec",
     "apply",
+    "counterparts",
     "describe",
     "equal",
     "equal_all",
@@ -93,6 +94,32 @@ def is_one_to_one(policy: Policy) -> bool:
         (True, False)
     """
     return getattr(policy, "one_to_one", False) is True
+
+
+def counterparts(
+    policy: Policy, base: Iterable[str], scaled: Sequence[str]
+) -> dict[str, tuple[str, ...]]:
+    """The base tensors whose values ``policy`` maps onto each scaled tensor.
+
+    A policy declares them with an attribute ``counterparts(base, scaled)``: :func:`identity`
+    (the tensor of the same name), :func:`share_blocks` and :func:`equal` (the base block a
+    scaled block answers to, several for a shallower model). For any other policy a tensor's
+    counterpart is the base tensor of its name, where there is one. FLeRM compares a tensor's
+    feature gain with its counterparts' (``match="features"``, ``"features_all"``).
+
+    Returns:
+        Scaled name -> base names, for the scaled tensors that have counterparts.
+
+    Examples:
+        >>> counterparts(share_blocks(), ["blocks.0.w", "head"], ["blocks.0.w", "blocks.1.w", "head"])
+        {'blocks.0.w': ('blocks.0.w',), 'blocks.1.w': ('blocks.0.w',), 'head': ('head',)}
+        >>> counterparts(lambda base, scaled: {}, ["w", "v"], ["w", "u"])
+        {'w': ('w',)}
+    """  # noqa: E501
+    own = getattr(policy, "counterparts", None)
+    if callable(own):
+        return cast(dict[str, tuple[str, ...]], own(base, scaled))
+    return same_names(base, scaled)
 
 
 PolicySpec: TypeAlias = str | Policy | Callable[[], Policy] | None

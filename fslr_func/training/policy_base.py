@@ -11,13 +11,22 @@ Examples:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Protocol
 
 from ..probe.names import BLOCK_PATTERN, short_list, short_lists
 from ..stats.checks import real
 
-__all__ = ["DEFAULT_PATTERN", "Policy", "check_total", "check_unique", "identity", "named"]
+__all__ = [
+    "DEFAULT_PATTERN",
+    "Counterparts",
+    "Policy",
+    "check_total",
+    "check_unique",
+    "identity",
+    "named",
+    "same_names",
+]
 
 DEFAULT_PATTERN = BLOCK_PATTERN
 """Default block regex: group 1 is the block index (``blocks.3.``, ``layers.0.``, ``h.11.``)."""
@@ -51,12 +60,32 @@ def check_total(total: float) -> float:
     return real(total, "total", above=0.0)
 
 
+Counterparts = Callable[[Iterable[str], Sequence[str]], dict[str, tuple[str, ...]]]
+"""``counterparts(base_names, scaled) -> {scaled name: base names}``: the base tensors whose
+values a policy maps onto each scaled tensor (:func:`fslr_func.training.policies.counterparts`)."""
+
+
+def same_names(base: Iterable[str], scaled: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """Each scaled tensor's counterpart: the base tensor of its name, where there is one.
+
+    Examples:
+        >>> same_names(["w", "v"], ["w", "u"])
+        {'w': ('w',)}
+    """
+    known = set(base)
+    return {n: (n,) for n in scaled if n in known}
+
+
 def named(
-    fn: Callable[[Mapping[str, float], Sequence[str]], dict[str, float]], name: str
+    fn: Callable[[Mapping[str, float], Sequence[str]], dict[str, float]],
+    name: str,
+    counterparts: Counterparts | None = None,
 ) -> Policy:
     """``fn`` named ``name`` (its ``__name__`` and ``__qualname__``, which messages and saved
-    FLeRM states show)."""
+    FLeRM states show), with its ``counterparts`` attribute if given."""
     fn.__name__ = fn.__qualname__ = name
+    if counterparts is not None:
+        fn.counterparts = counterparts  # type: ignore[attr-defined]
     return fn
 
 
@@ -96,3 +125,4 @@ def identity(base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, f
 
 
 identity.one_to_one = True  # type: ignore[attr-defined]
+identity.counterparts = same_names  # type: ignore[attr-defined]

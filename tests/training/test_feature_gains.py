@@ -161,17 +161,71 @@ def test_features_all_rescales_every_tensor_upstream_of_the_readout_by_its_gains
         ff.FLeRM(fm, opt, base, match="features", **options).load_state_dict(every.state_dict())
 
 
-def test_features_all_warns_about_tensors_the_base_record_lacks():
-    base = _base()
-    fm, opt, probes = _setup(16)
-    options = {"probe_batches": probes, "warmup_samples": 4}
+class _Blocks(nn.Module):
+    """A residual MLP whose blocks ``share_blocks`` maps: ``inp``, ``blocks.<i>``, ``head``."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(D_IN, width)
+        self.blocks = nn.ModuleList(nn.Linear(width, width) for _ in range(depth))
+        self.head = nn.Linear(width, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        for block in self.blocks:
+            h = h + torch.tanh(block(h))
+        return self.head(h)
+
+
+def _blocks_setup(width: int, depth: int):
+    fm = ff.with_fslr(_Blocks(width, depth), samples=4, seed=0, strategy="loop")
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2, fused=True)
+    probes = (torch.randn(32, D_IN, generator=torch.Generator().manual_seed(9)) for _ in range(99))
+    return fm, opt, probes
+
+
+def _blocks_base(depth: int) -> FSLRRecord:
+    fm, opt, probes = _blocks_setup(4, depth)
+    make = lambda f, o: ff.Recorder(  # noqa: E731
+        f, probes, optimizer=o, warmup_samples=4, every=2, feature_gains=True
+    )
+    return _train(4, (fm, opt, make)).record
+
+
+@pytest.mark.parametrize(("base_depth", "depth"), [(2, 4), (4, 2)])
+def test_features_all_compares_each_block_with_the_base_block_it_answers_to(base_depth, depth):
+    """Width and depth together (bf16 autocast, GradScaler, fused AdamW): under
+    ``share_blocks`` a scaled block's feature gain is compared with the base block its target
+    answers to (4 blocks from 2: 0, 0, 1, 1; 2 from 4: the geometric mean of two), never
+    with the base block of its own index; a policy that names no counterparts warns."""
+    base = _blocks_base(base_depth)
+    recorded = base.meta["feature_gain"]
+    fm, opt, probes = _blocks_setup(16, depth)
+    options = {"probe_batches": probes, "warmup_samples": 4, "policy": "share_blocks"}
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the base's own tensors: silent
-        ff.FLeRM(fm, opt, base, match="features_all", **options)
-    shapes = {n: s for n, s in base.shapes.items() if n != "2.weight"}  # as if a block were added
-    deeper = FSLRRecord.from_dict({**base.to_dict(), "meta": {**base.meta, "shapes": shapes}})
-    with pytest.warns(RuntimeWarning, match=r"no base feature gain for \['2.weight'\]"):
-        ff.FLeRM(fm, opt, deeper, match="features_all", **options)
+        warnings.simplefilter("error")  # every tensor has a counterpart: silent
+        flerm = ff.FLeRM(fm, opt, base, match="features_all", **options)
+    for i in range(depth):
+        answers = [m for m in range(base_depth) if (i * base_depth // depth == m or
+                   m * depth // base_depth == i)]  # fmt: skip
+        for kind in ("weight", "bias"):
+            logs = [math.log(recorded[f"blocks.{m}.{kind}"]) for m in answers]
+            want = math.exp(sum(logs) / len(logs))
+            assert flerm.base_gains[f"blocks.{i}.{kind}"] == pytest.approx(want, rel=1e-12)
+    assert "head.weight" not in flerm.base_gains  # the readout's own: output-matched
+    flerm = _train(16, (fm, opt, lambda f, o: ff.FLeRM(f, o, base, match="features_all",
+                                                        **options)))  # fmt: skip
+    blocks = {f"blocks.{i}.{k}" for i in range(depth) for k in ("weight", "bias")}
+    assert set(flerm.feature_factors) == blocks | {"inp.weight", "inp.bias"}
+    assert all(0 < f < math.inf for f in flerm.feature_factors.values())
+    share = ff.training.policies.share_blocks()
+    opaque = lambda b, s: share(b, s)  # noqa: E731  (a custom policy: no counterparts)
+    fm, opt, probes = _blocks_setup(16, depth)
+    options = {**options, "probe_batches": probes, "policy": opaque}
+    if depth > base_depth:
+        with pytest.warns(RuntimeWarning, match=r"no counterpart for them"):
+            ff.FLeRM(fm, opt, base, match="features_all", **options)
 
 
 def test_matching_features_needs_the_base_gains_and_a_known_mode():
