@@ -26,10 +26,10 @@ were run, to check that the matrix's findings hold off it.
 ``BUDGET_CELLS``: the held-out cells of the budget rule (the variant ``feature_budget``),
 named before it was run on any of them. ``OPTIMIZER_CELLS``: AdamW and SGD cells, named
 before ``readout_built_upstream`` ran on them. ``DEPTH_CELLS``: depth, and width and depth
-together, named before any run of them. Each read-out also gives the test losses at the
-rates training loss chose (a second table; ``test_ratio`` in ``--json``): a cell whose wide
-model memorises its data can be read on unseen data too. ``--top-scale K`` runs cells at
-K times the base width instead of 8.
+together, named before any run of them; ``DEPTH_HELD_OUT_CELLS``: more of them, named after.
+Each read-out also gives the test losses at the rates training loss chose (a second table;
+``test_ratio`` in ``--json``): a cell whose wide model memorises its data can be read on
+unseen data too. ``--top-scale K`` runs cells at K times the base width instead of 8.
 
 ``--variant NAME`` runs a FLeRM variant (:mod:`fslr_func.experiments.variants`) on the same
 cells, each in its own folder, at the base rate ``b`` the main cell found and its adaptive
@@ -166,6 +166,23 @@ DEPTH_CELLS: dict[str, SweepConfig] = {
     ),
 }
 
+#: Held-out cells of depth and width and depth, named after the six above ran and before
+#: any of these did: a longer budget, another base width and data seed, the conv nets
+#: without BatchNorm and in 2-D, the PostNorm transformer, depth alone at 300 steps. The
+#: conv nets, the transformer and the base width of 64 are run at 4x (``--top-scale 4``).
+DEPTH_HELD_OUT_CELLS: dict[str, SweepConfig] = {
+    "resmlp-wd-s600": _cell("resmlp", 600, 2, axis="width_depth"),
+    "resmlp-depth-s300": _cell("resmlp", 300, 2, axis="depth"),
+    "resmlp-seed7-w64-wd-s150": _cell("resmlp", 150, 2, width=64, data_seed=7, axis="width_depth"),
+    "conv1d-wd-w16-s150": _cell("resconv", 150, 2, axis="width_depth"),
+    "conv2d-bn-wd-w8-s150": _cell(
+        "resconv_bn", 150, 2, data="digits_aug", width=8, axis="width_depth"
+    ),
+    "transformer-postnorm-wd-d16-s150": _cell(
+        "transformer", 150, 2, width=16, norm="postnorm", lrs=octaves(-10, -3), axis="width_depth"
+    ),
+}
+
 #: Every cell by name, in the order ``--list`` prints them.
 ALL_CELLS: dict[str, SweepConfig] = {
     **CELLS,
@@ -174,6 +191,7 @@ ALL_CELLS: dict[str, SweepConfig] = {
     **BUDGET_CELLS,
     **OPTIMIZER_CELLS,
     **DEPTH_CELLS,
+    **DEPTH_HELD_OUT_CELLS,
 }
 
 
