@@ -110,6 +110,10 @@ def counterparts(
     Returns:
         Scaled name -> base names, for the scaled tensors that have counterparts.
 
+    Raises:
+        ValueError: a policy's ``counterparts`` that does not return a mapping of scaled
+            tensor names to sequences of base tensor names (each named).
+
     Examples:
         >>> counterparts(share_blocks(), ["blocks.0.w", "head"], ["blocks.0.w", "blocks.1.w", "head"])
         {'blocks.0.w': ('blocks.0.w',), 'blocks.1.w': ('blocks.0.w',), 'head': ('head',)}
@@ -117,9 +121,28 @@ def counterparts(
         {'w': ('w',)}
     """  # noqa: E501
     own = getattr(policy, "counterparts", None)
-    if callable(own):
-        return cast(dict[str, tuple[str, ...]], own(base, scaled))
-    return same_names(base, scaled)
+    if not callable(own):
+        return same_names(base, scaled)
+    base, scaled = list(base), list(scaled)
+    result = own(base, scaled)
+    who = f"policy {describe(policy)}: counterparts"
+    if not isinstance(result, Mapping):
+        raise ValueError(f"{who} returned {type(result).__name__}, expected a dict")
+    known, names = set(base), set(scaled)
+    bad = [
+        f"{n!r}: {v!r}"
+        for n, v in result.items()
+        if n not in names
+        or isinstance(v, str)
+        or not isinstance(v, Sequence)
+        or not all(isinstance(b, str) and b in known for b in v)
+    ]
+    if bad:
+        raise ValueError(
+            f"{who} must map scaled tensor names to sequences of base tensor names; "
+            f"wrong: {', '.join(bad[:5])}"
+        )
+    return {str(n): tuple(v) for n, v in result.items()}
 
 
 PolicySpec: TypeAlias = str | Policy | Callable[[], Policy] | None

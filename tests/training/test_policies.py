@@ -153,6 +153,46 @@ def test_share_blocks_conservation(n_base: int, n_scaled: int, data: st.DataObje
 
 
 @SETTINGS
+@given(n_base=st.integers(1, 6), n_scaled=st.integers(1, 24), data=st.data())
+def test_counterparts_are_the_base_tensors_a_target_is_made_of(
+    n_base: int, n_scaled: int, data: st.DataObject
+) -> None:
+    """``share_blocks`` and ``equal``: each scaled target is the sum over its counterparts
+    ``c`` of ``base[c] / (number of scaled tensors answering to c)``, deeper or shallower."""
+    base = data.draw(base_values(n_base))
+    scaled = model_names(n_scaled)
+    for policy, values in ((share_blocks(), base), (equal(), dict.fromkeys(base, 1 / len(base)))):
+        links = policies.counterparts(policy, list(base), scaled)
+        assert list(links) == scaled and all(links.values())
+        sharing = defaultdict(int)
+        for bases in links.values():
+            for b in bases:
+                sharing[b] += 1
+        out = policy(base, scaled)
+        for n, bases in links.items():
+            assert close(out[n], sum(values[b] / sharing[b] for b in bases)), (policy, n)
+
+
+def test_counterparts_of_identity_custom_and_broken_policies() -> None:
+    base, scaled = ["w", "v"], ["w", "u"]
+    assert policies.counterparts(identity, base, scaled) == {"w": ("w",)}
+    assert policies.counterparts(lambda b, s: {}, base, scaled) == {"w": ("w",)}  # by name
+
+    def custom(b: Mapping[str, float], s: Sequence[str]) -> dict[str, float]:
+        return {}
+
+    for wrong, message in (
+        (lambda b, s: 3, "returned int"),
+        (lambda b, s: {"w": "w"}, "'w': 'w'"),  # a string is not a sequence of names
+        (lambda b, s: {"w": ("x",)}, "'w': \\('x',\\)"),  # not a base tensor
+        (lambda b, s: {"x": ("w",)}, "'x'"),  # not a scaled tensor
+    ):
+        custom.counterparts = wrong  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match=message):
+            policies.counterparts(cast(Policy, custom), base, scaled)
+
+
+@SETTINGS
 @given(n_base=st.integers(2, 12), data=st.data())
 def test_share_blocks_shallower_sums_base_blocks(n_base: int, data: st.DataObject) -> None:
     n_scaled = data.draw(st.integers(1, n_base - 1))
