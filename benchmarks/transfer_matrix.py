@@ -26,7 +26,8 @@ were run, to check that the matrix's findings hold off it.
 ``BUDGET_CELLS``: the held-out cells of the budget rule (the variant ``feature_budget``),
 named before it was run on any of them. ``OPTIMIZER_CELLS``: AdamW and SGD cells, named
 before ``readout_built_upstream`` ran on them. ``DEPTH_CELLS``: depth, and width and depth
-together, named before any run of them; ``DEPTH_HELD_OUT_CELLS``: more of them, named after.
+together, named before any run of them; ``DEPTH_HELD_OUT_CELLS``: more of them, named after;
+``DEPTH_OPTIMIZER_CELLS``: with AdamW, SGD and a cosine decay.
 Each read-out also gives the test losses at the rates training loss chose (a second table;
 ``test_ratio`` in ``--json``): a cell whose wide model memorises its data can be read on
 unseen data too. ``--top-scale K`` runs cells at K times the base width instead of 8.
@@ -183,6 +184,18 @@ DEPTH_HELD_OUT_CELLS: dict[str, SweepConfig] = {
     ),
 }
 
+#: Width and depth together off Adam at a constant rate, named after the twelve depth cells
+#: above ran and before these did.
+DEPTH_OPTIMIZER_CELLS: dict[str, SweepConfig] = {
+    "resmlp-wd-s150-adamw": _cell(
+        "resmlp", 150, 2, axis="width_depth", optimizer="adamw", weight_decay=0.1
+    ),
+    "resmlp-wd-s150-sgd": _cell(
+        "resmlp", 150, 2, axis="width_depth", optimizer="sgd", lrs=octaves(-9, 0)
+    ),
+    "resmlp-wd-s300-cos": _cell("resmlp", 300, 2, axis="width_depth", schedule="cosine"),
+}
+
 #: Every cell by name, in the order ``--list`` prints them.
 ALL_CELLS: dict[str, SweepConfig] = {
     **CELLS,
@@ -192,6 +205,7 @@ ALL_CELLS: dict[str, SweepConfig] = {
     **OPTIMIZER_CELLS,
     **DEPTH_CELLS,
     **DEPTH_HELD_OUT_CELLS,
+    **DEPTH_OPTIMIZER_CELLS,
 }
 
 
