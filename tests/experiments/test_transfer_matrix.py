@@ -7,7 +7,13 @@ import math
 import pytest
 
 from fslr_func.experiments.configs import SweepConfig
-from fslr_func.experiments.matrix import _next_out, adaptive_cell, best_rate, cell_summary
+from fslr_func.experiments.matrix import (
+    _next_out,
+    adaptive_cell,
+    best_rate,
+    cell_summary,
+    other_seeds_best,
+)
 from fslr_func.experiments.run import RunSpec
 from tests._scripts import load_script
 
@@ -31,6 +37,37 @@ def test_best_rate_needs_every_seed_and_skips_diverged_rates():
     }
     # 0.25 lacks seed 1; 1.0 diverged on seed 0; 0.5 scores 2.0
     assert best_rate(runs, "flerm", 8.0, 2) == (0.5, [0.5, 1.0])
+
+
+def test_other_seeds_best_scores_each_seed_at_the_rate_the_others_chose():
+    def runs_of(table):
+        return {
+            RunSpec("standard", 8.0, lr, k).key: {
+                "mode": "standard", "scale": 8.0, "lr": lr, "loss": v
+            }
+            for lr, losses in table.items()
+            for k, v in enumerate(losses)
+        }  # fmt: skip
+
+    # seeds 0 and 1 get 0.5's loss (the others' means: 1.5 at 0.25, 1.35 at 0.5), seed 2
+    # 0.25's (1.0 against 1.5): (1.5 + 1.5 + 2.0) / 3, above the best seed mean (4/3 at 0.25)
+    table = {0.25: (1.0, 1.0, 2.0), 0.5: (1.5, 1.5, 1.2)}
+    assert other_seeds_best(runs_of(table), "standard", 8.0, 3) == pytest.approx(5.0 / 3)
+    assert best_rate(runs_of(table), "standard", 8.0, 3)[0] == 0.25
+    # a seed whose chosen rate diverged makes the reference infinite, and no ratio is read
+    diverged = runs_of({0.25: (1.0, None), 0.5: (2.0, 2.0)})
+    assert other_seeds_best(diverged, "standard", 8.0, 2) == math.inf
+    assert other_seeds_best(runs_of({0.25: (1.0,)}), "standard", 8.0, 1) is None  # one seed
+    summary = cell_summary(
+        SweepConfig(scales=(1, 8), seeds=2),
+        {**diverged, **{
+            RunSpec("mup", 8.0, 0.5, k).key: {"mode": "mup", "scale": 8.0, "lr": 0.5, "loss": 1.0}
+            for k in range(2)
+        }},
+        0.5,
+        ["standard", "mup"],
+    )  # fmt: skip
+    assert "other_seeds_ratio" not in summary["modes"]["mup"] and "ratio" in summary["modes"]["mup"]
 
 
 def test_adaptive_cell_finds_interior_optima_on_a_tiny_task(tmp_path):
