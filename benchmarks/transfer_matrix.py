@@ -194,6 +194,8 @@ DEPTH_OPTIMIZER_CELLS: dict[str, SweepConfig] = {
         "resmlp", 150, 2, axis="width_depth", optimizer="sgd", lrs=octaves(-9, 0)
     ),
     "resmlp-wd-s300-cos": _cell("resmlp", 300, 2, axis="width_depth", schedule="cosine"),
+    # named after the three above ran: is the 600-step cell's gap the constant rate's?
+    "resmlp-wd-s600-cos": _cell("resmlp", 600, 2, axis="width_depth", schedule="cosine"),
 }
 
 #: Every cell by name, in the order ``--list`` prints them.
