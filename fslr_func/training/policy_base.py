@@ -33,7 +33,14 @@ DEFAULT_PATTERN = BLOCK_PATTERN
 
 
 class Policy(Protocol):
-    """A depth-mapping policy: ``policy(base, scaled) -> targets``."""
+    """A depth-mapping policy: ``policy(base, scaled) -> targets``.
+
+    A policy may also carry two optional attributes: ``one_to_one = True`` (each scaled
+    tensor answers to the base tensor of its name; :func:`identity`) and
+    ``counterparts(base_names, scaled) -> {scaled name: base names}`` (:data:`Counterparts`:
+    which base tensors each target is made of, read by
+    :func:`fslr_func.training.policies.counterparts`).
+    """
 
     def __call__(self, base: Mapping[str, float], scaled: Sequence[str], /) -> dict[str, float]:
         """Map every scaled tensor to its target FSLR.
