@@ -338,11 +338,13 @@ class FLeRM(StepController):
         self.match: Matched = match
         self.feature_power = float(feature_power)
         self.feature_factors: dict[str, float] | None = None
-        self.base_gains = self._answering_gains(_base_gains(fm, base, match))
+        recorded = _base_gains(fm, base, match)
+        links = self.targets.counterparts(self.names) if recorded else {}
+        self.base_gains = self._answering_gains(recorded, links)
         if match == "features":
             self._warn_if_nothing_hidden()
         if match == "features_all":
-            self._warn_if_new_tensors()
+            self._warn_if_new_tensors(links)
         _warn_if_per_process(fm)
         _warn_if_other_optimizer(base, self.optimizer)
 
@@ -489,17 +491,18 @@ class FLeRM(StepController):
             held=matched.zero + matched.nonfinite + matched.unmatched,
         )
 
-    def _answering_gains(self, recorded: Mapping[str, float]) -> dict[str, float]:
+    def _answering_gains(
+        self, recorded: Mapping[str, float], links: Mapping[str, tuple[str, ...]]
+    ) -> dict[str, float]:
         """Per driven tensor (bare name), the base feature gain its own is compared with: that
         of the base tensor its target answers to under the policy (the tensor of its name, or
         under ``share_blocks`` the base block it replaces; the geometric mean where it answers
         to several, a shallower model's block), so an added block's feature movement is
-        matched to its base block's."""
-        if not recorded:
-            return {}
+        matched to its base block's. ``links``: :meth:`BaseTargets.counterparts` of the
+        driven tensors."""
         gains = {self.targets.base_names.get(b, b): g for b, g in recorded.items()}
         out: dict[str, float] = {}
-        for name, bases in self.targets.counterparts(self.names).items():
+        for name, bases in links.items():
             if bases and all(b in gains for b in bases):
                 out[name] = math.exp(statistics.fmean(math.log(gains[b]) for b in bases))
         return out
@@ -534,12 +537,12 @@ class FLeRM(StepController):
                 stacklevel=3,
             )
 
-    def _warn_if_new_tensors(self) -> None:
+    def _warn_if_new_tensors(self, known: Mapping[str, tuple[str, ...]]) -> None:
         """Warn, for ``match="features_all"``, about driven tensors with no base tensor to
         compare their feature gain with (a policy without ``counterparts`` over a model that
         adds tensors the base lacks): they match output movement while the others match
-        feature movement, a mixed allocation never measured."""
-        known = self.targets.counterparts(self.names)
+        feature movement, a mixed allocation never measured. ``known``: the driven tensors'
+        counterparts (:meth:`BaseTargets.counterparts`)."""
         new = [b for n in self.names if (b := n.removeprefix(self.fm.name_prefix)) not in known]
         if new:
             warnings.warn(

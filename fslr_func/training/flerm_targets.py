@@ -300,8 +300,5 @@ class BaseTargets:
             {'weight': ('weight',)}
         """
         recorded = list(self.base_names.values())
-        if self.one_to_one:
-            links = policies.counterparts(self.policy, recorded, list(self.bare.values()))
-        else:
-            links = policies.counterparts(self.policy, recorded, self._mapped(set(names)))
+        links = policies.counterparts(self.policy, recorded, self._mapped(set(names)))
         return {self.bare[n]: links[self.bare[n]] for n in names if self.bare[n] in links}

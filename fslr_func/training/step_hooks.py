@@ -99,8 +99,9 @@ def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:
     ``GradScaler.step`` hands an optimiser that unscales in its own kernel (the fused ones:
     ``_step_supports_amp_scaling``) the count of non-finite gradients as
     ``optimizer.found_inf`` for the duration of its ``step()``; a non-zero count makes the
-    kernel leave weights and state unchanged. Reading it is one device sync, which the
-    scaler's non-fused path makes too.
+    kernel leave weights and state unchanged. Reading it is one device sync per step: the
+    one the scaler makes itself for a non-fused optimiser, and which a fused one otherwise
+    avoids (the price, on a GPU, of counting the same steps as a non-fused optimiser).
 
     Examples:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
