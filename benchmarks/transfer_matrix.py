@@ -30,7 +30,9 @@ together, named before any run of them; ``DEPTH_HELD_OUT_CELLS``: more of them, 
 ``DEPTH_OPTIMIZER_CELLS``: with AdamW, SGD and a cosine decay.
 Each read-out also gives the test losses at the rates training loss chose (a second table;
 ``test_ratio`` in ``--json``): a cell whose wide model memorises its data can be read on
-unseen data too. ``--top-scale K`` runs cells at K times the base width instead of 8.
+unseen data too. ``--top-scale K`` runs cells at K times the base width instead of 8. ``--refine``
+resolves the base's best rate and every mode's best at the top width to half an octave
+(:func:`~fslr_func.experiments.matrix.adaptive_cell`'s ``refine``), in the same folders.
 
 ``--variant NAME`` runs a FLeRM variant (:mod:`fslr_func.experiments.variants`) on the same
 cells, each in its own folder, at the base rate ``b`` the main cell found and its adaptive
@@ -237,8 +239,9 @@ def row(name: str, main: Mapping[str, Any], variant: Mapping[str, Any] | None = 
         mean = e.get("at_tuned", {}).get("mean")
         return _fmt(mean / std_best if mean is not None and std_best else None)
 
+    b = round(math.log2(main["tuned"]), 2)  # half an octave under --refine
     return (
-        f"| {name} | 2^{math.log2(main['tuned']):.0f} | {_shift(f)} | {at(f)} | {ratio(f)} | "
+        f"| {name} | 2^{b:g} | {_shift(f)} | {at(f)} | {ratio(f)} | "
         f"{_shift(std)} | {_fmt(std_best)} | {_shift(m)} | {at(m)} | {ratio(m)} |"
     )
 
@@ -373,6 +376,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --variant: skip CELL's main runs, run the variants at b = LR (2^k allowed)",
     )
     p.add_argument(
+        "--refine",
+        action="store_true",
+        help="resolve the base's best rate and each mode's at the top width to half an octave",
+    )
+    p.add_argument(
         "--top-scale",
         type=int,
         default=None,
@@ -407,6 +415,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             jobs=args.jobs,
             log=lambda s: print(s, flush=True),
             train=not args.cached,
+            refine=args.refine,
         )
 
     for name in [n for n in names if n in given]:
@@ -415,7 +424,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if flerm is not None:
                 at = flerm["at_tuned"]
                 print(
-                    f"{name} {variant}: shift {flerm['shift']:+.0f}; loss at b "
+                    f"{name} {variant}: shift {flerm['shift']:+g}; loss at b "
                     f"{at['mean']:.4f} (sd {at['sd']:.4f}); best {flerm['best_loss']:.4f}; "
                     f"test loss at b {_fmt(at.get('test'), '.4f')}",
                     flush=True,
@@ -429,6 +438,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             jobs=args.jobs,
             log=lambda s: print(s, flush=True),
             train=not args.cached,
+            refine=args.refine,
         )
         if main_out["tuned"] is None:
             continue

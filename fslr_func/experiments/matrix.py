@@ -15,6 +15,14 @@ phases of a cell share one folder and an interrupted cell resumes):
 3. every mode whose best rate at 8x is on the edge of the rates it was run at gets the next
    octave out, until it is interior (or the grid reaches ``2**-20`` or ``2**2``).
 
+With ``refine=True`` the rates are resolved to half an octave: after phase 1 the base also
+runs at :math:`b \cdot 2^{\pm 1/2}` and :math:`b` becomes the best of the three (phases 2
+and 3 are then an octave grid through it), and after phase 3 every mode at 8x also runs at
+the half-octave neighbours of its best rate. The octave grid quantises the base's optimum,
+and a wide model's loss can be sharper in the rate than the base's: a base whose loss is
+within 1% at :math:`b` and :math:`2b` leaves the transferred rate up to half an octave from
+where the base's optimum is.
+
 Read-out per mode at 8x (:func:`cell_summary`): the best rate and its shift in octaves from
 :math:`b`, the loss at :math:`b` (the *transferred* loss: mean, sample standard deviation and
 each seed), and for FLeRM and muP the ratio of the transferred loss to re-tuned standard
@@ -25,6 +33,8 @@ Examples:
     True
     >>> phase2_rates(2.0**-6, "flerm") == (2.0**-7, 2.0**-6, 2.0**-5)
     True
+    >>> [round(math.log2(lr), 1) for lr in phase2_rates(2.0**-6.5, "mup")]
+    [-7.5, -6.5, -5.5]
 """
 
 from __future__ import annotations
@@ -55,16 +65,12 @@ LR_RANGE = (-20, 2)
 """Octaves (powers of two) the adaptive grid may reach."""
 
 
-def _octave(lr: float) -> int:
-    return round(math.log2(lr))
-
-
 def phase2_rates(b: float, mode: str) -> tuple[float, ...]:
     """The 8x rates of phase 2 for ``mode``, around the base's best rate ``b``: standard
-    training ``b/8 .. b``, muP and FLeRM (and its variants) ``b/2 .. 2b``."""
-    k = _octave(b)
-    lo, hi = (k - 3, k) if mode == "standard" else (k - 1, k + 1)
-    return tuple(2.0**j for j in range(lo, hi + 1))
+    training ``b/8 .. b``, muP and FLeRM (and its variants) ``b/2 .. 2b``, in octaves through
+    ``b`` (a power of two or not)."""
+    lo, hi = (-3, 0) if mode == "standard" else (-1, 1)
+    return tuple(b * 2.0**j for j in range(lo, hi + 1))
 
 
 def run_specs(
@@ -191,18 +197,28 @@ def other_seeds_best(
 
 
 def _next_out(best: float | None, rates: Sequence[float]) -> float | None:
-    """The octave beyond the edge ``best`` is on (a diverged top counts as interior), or
-    ``None`` when ``best`` is interior or the range is exhausted."""
+    """The rate an octave beyond the edge ``best`` is on (a diverged top counts as interior),
+    or ``None`` when ``best`` is interior or the range is exhausted."""
     if not rates:
         return None
-    lo, hi = _octave(rates[0]), _octave(rates[-1])
-    if best is None or _octave(best) == lo:  # nothing converged: go down
-        k = lo - 1
-    elif _octave(best) == hi:
-        k = hi + 1
+    if best is None or best == rates[0]:  # nothing converged: go down
+        nxt = rates[0] / 2
+    elif best == rates[-1]:
+        nxt = rates[-1] * 2
     else:
         return None
-    return 2.0**k if LR_RANGE[0] <= k <= LR_RANGE[1] else None
+    return nxt if LR_RANGE[0] <= round(math.log2(nxt), 6) <= LR_RANGE[1] else None
+
+
+def _half_octaves(lr: float, rates: Sequence[float]) -> list[float]:
+    """The rates half an octave either side of ``lr`` that are not among ``rates``; on the
+    half-octave grid ``2**(k/2)`` exactly (the same floats as ``2.0 ** (k / 2)``, so a run
+    cached at one of them is found again)."""
+    e = math.log2(lr)
+    on_grid = abs(2 * e - round(2 * e)) < 1e-9
+    near = [2.0 ** (round(2 * e) / 2 + d) if on_grid else lr * 2.0**d for d in (-0.5, 0.5)]
+    run = {round(math.log2(r), 6) for r in rates}
+    return [x for x in near if round(math.log2(x), 6) not in run]
 
 
 def adaptive_cell(
@@ -215,6 +231,7 @@ def adaptive_cell(
     jobs: int = 1,
     log: Callable[[str], None] | None = None,
     train: bool = True,
+    refine: bool = False,
 ) -> dict[str, Any]:
     """Run (or resume) one cell of the matrix on the adaptive grid; return :func:`cell_summary`.
 
@@ -228,6 +245,10 @@ def adaptive_cell(
         jobs: worker processes.
         log: called with a line per phase.
         train: ``False``: read what is cached, train nothing (a cell not run reads as empty).
+        refine: resolve the base's best rate (when found here) and each mode's best rate at
+            8x to half an octave (the module docstring). The runs share the cell's folder
+            with the octave grid's: ``refine=False`` on the same folder still reads the
+            octave grid alone.
     """
     say = log or (lambda line: None)
     base, top, seeds = config.base_scale, config.scales[-1], config.seeds
@@ -251,6 +272,13 @@ def adaptive_cell(
         if b is None:
             assert not train, "every base run diverged"
             return {"tuned": None, "base_loss": None, "modes": {}}
+        if refine:
+            runs.update(
+                run(
+                    [RunSpec("standard", base, lr, k) for lr in _half_octaves(b, rates) for k in ks]
+                )
+            )
+            b = best_rate(runs, "standard", base, seeds)[0] or b
         tuned = b
     else:
         # the base runs at b give FLeRM its records (and the read-out its base loss)
@@ -266,6 +294,13 @@ def adaptive_cell(
             nxt = _next_out(*best_rate(runs, m, top, seeds))
             if nxt is not None:
                 specs += [RunSpec(m, top, nxt, k) for k in ks]
+    if refine:
+        specs = []
+        for m in modes:
+            best, rates = best_rate(runs, m, top, seeds)
+            if best is not None:
+                specs += [RunSpec(m, top, lr, k) for lr in _half_octaves(best, rates) for k in ks]
+        runs.update(run(specs))
     return cell_summary(config, runs, tuned, modes)
 
 

@@ -8,6 +8,7 @@ import pytest
 
 from fslr_func.experiments.configs import SweepConfig
 from fslr_func.experiments.matrix import (
+    _half_octaves,
     _next_out,
     adaptive_cell,
     best_rate,
@@ -98,6 +99,42 @@ def test_adaptive_cell_finds_interior_optima_on_a_tiny_task(tmp_path):
     n = len(lines)
     adaptive_cell(config, tmp_path / "cell", jobs=1, log=lines.append)
     assert len(lines) == n  # nothing ran
+
+
+def test_half_octaves_are_the_grid_floats_and_skip_rates_run():
+    assert _half_octaves(2.0**-7, [2.0**-8, 2.0**-7]) == [2.0**-7.5, 2.0**-6.5]
+    # from an off-octave rate the neighbours are the octave floats a cached run has
+    assert _half_octaves(2.0**-6.5, [2.0**-7, 2.0**-6.5]) == [2.0**-6]
+    assert _half_octaves(0.01, []) == [0.01 * 2**-0.5, 0.01 * 2**0.5]  # off the grid
+
+
+def test_refined_cell_resolves_every_best_rate_to_half_an_octave(tmp_path):
+    config = SweepConfig(
+        width=4,
+        depth=1,
+        scales=(1, 2),
+        lrs=(2.0**-5, 2.0**-4),
+        steps=6,
+        last=2,
+        seeds=1,
+        num_samples=500,
+        batch_size=32,
+        samples=2,
+        warmup_samples=2,
+        every=3,
+    )
+    octave = adaptive_cell(config, tmp_path / "cell", jobs=1)
+    refined = adaptive_cell(config, tmp_path / "cell", jobs=1, refine=True)
+    b = refined["tuned"]
+    assert abs(round(math.log2(b / octave["tuned"]), 6)) in (0.0, 0.5)  # b or b * 2**+-0.5
+    for m, entry in refined["modes"].items():
+        half = {round(2 * math.log2(lr), 6) for lr in entry["rates"]}
+        k = round(2 * math.log2(entry["best_lr"]))
+        assert {k - 1, k + 1} <= half, m  # both half-octave neighbours of the best were run
+        assert entry["best_loss"] <= octave["modes"][m]["best_loss"] or b != octave["tuned"]
+        assert entry["at_tuned"]["losses"] is not None  # every mode ran at the refined b
+    # the octave read-out of the same folder is unchanged by the refined runs beside it
+    assert adaptive_cell(config, tmp_path / "cell", jobs=1, train=False) == octave
 
 
 def test_cell_summary_ratio_against_retuned_standard():
