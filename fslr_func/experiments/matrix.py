@@ -18,10 +18,9 @@ phases of a cell share one folder and an interrupted cell resumes):
 With ``refine=True`` the rates are resolved to half an octave: after phase 1 the base also
 runs at :math:`b \cdot 2^{\pm 1/2}` and :math:`b` becomes the best of the three (phases 2
 and 3 are then an octave grid through it), and after phase 3 every mode at 8x also runs at
-the half-octave neighbours of its best rate. The octave grid quantises the base's optimum,
-and a wide model's loss can be sharper in the rate than the base's: a base whose loss is
-within 1% at :math:`b` and :math:`2b` leaves the transferred rate up to half an octave from
-where the base's optimum is.
+the half-octave neighbours of its best rate. It asks how much of a transferred loss is the
+octave grid quantising the base's optimum (docs/reproduction.md, "The base's rate at half an
+octave", measures it: it moves single cells either way more than it moves the matrix).
 
 Read-out per mode at 8x (:func:`cell_summary`): the best rate and its shift in octaves from
 :math:`b`, the loss at :math:`b` (the *transferred* loss: mean, sample standard deviation and

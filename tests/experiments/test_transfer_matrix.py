@@ -71,8 +71,9 @@ def test_other_seeds_best_scores_each_seed_at_the_rate_the_others_chose():
     assert "other_seeds_ratio" not in summary["modes"]["mup"] and "ratio" in summary["modes"]["mup"]
 
 
-def test_adaptive_cell_finds_interior_optima_on_a_tiny_task(tmp_path):
-    config = SweepConfig(
+def _tiny_cell() -> SweepConfig:
+    """A cell that trains in seconds: 1x and 2x, two rates to start from, one seed."""
+    return SweepConfig(
         width=4,
         depth=1,
         scales=(1, 2),
@@ -86,6 +87,10 @@ def test_adaptive_cell_finds_interior_optima_on_a_tiny_task(tmp_path):
         warmup_samples=2,
         every=3,
     )
+
+
+def test_adaptive_cell_finds_interior_optima_on_a_tiny_task(tmp_path):
+    config = _tiny_cell()
     lines: list[str] = []
     s = adaptive_cell(config, tmp_path / "cell", jobs=1, log=lines.append)
     assert lines and math.log2(s["tuned"]) == round(math.log2(s["tuned"]))
@@ -109,20 +114,7 @@ def test_half_octaves_are_the_grid_floats_and_skip_rates_run():
 
 
 def test_refined_cell_resolves_every_best_rate_to_half_an_octave(tmp_path):
-    config = SweepConfig(
-        width=4,
-        depth=1,
-        scales=(1, 2),
-        lrs=(2.0**-5, 2.0**-4),
-        steps=6,
-        last=2,
-        seeds=1,
-        num_samples=500,
-        batch_size=32,
-        samples=2,
-        warmup_samples=2,
-        every=3,
-    )
+    config = _tiny_cell()
     octave = adaptive_cell(config, tmp_path / "cell", jobs=1)
     refined = adaptive_cell(config, tmp_path / "cell", jobs=1, refine=True)
     b = refined["tuned"]
