@@ -38,6 +38,11 @@ resolves the base's best rate and every mode's best at the top width to half an 
 cells, each in its own folder, at the base rate ``b`` the main cell found and its adaptive
 neighbours; its rows are read against the main cell's re-tuned standard training and muP.
 
+``--two-widths K`` (with ``--variant``) also runs each variant at K times the base width
+(folders ``CELL@Kx+VARIANT``) and at the top width at the rate its fitted best at K
+extrapolates to (:func:`~fslr_func.experiments.matrix.two_width_cell`), and prints a table
+of both models against re-tuning.
+
 ``--base-rate CELL=LR`` (repeatable, with ``--variant``) skips a cell's main runs and runs
 the variants at ``b = LR`` (the main table's, docs/reproduction.md) and their adaptive
 neighbours, printing each variant's shift, loss at ``b`` and best loss; the ratio to re-tuned
@@ -61,7 +66,7 @@ from typing import Any
 
 from fslr_func.experiments.cli_args import parse_lrs
 from fslr_func.experiments.configs import SweepConfig, octaves
-from fslr_func.experiments.matrix import adaptive_cell
+from fslr_func.experiments.matrix import adaptive_cell, two_width_cell
 
 
 def _cell(model: str, steps: int, seeds: int, **overrides: Any) -> SweepConfig:
@@ -343,6 +348,37 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path, top: float
     fig.savefig(path, dpi=120)
 
 
+TWO_WIDTH_HEADER = (
+    "| cell | base best b | fitted shift at the second width | fitted shift at the top width | "
+    "at b / re-tuned | inverse-width model: shift; / re-tuned | constant model: shift; / "
+    "re-tuned |\n|---|---|---|---|---|---|---|"
+)
+
+
+def two_width_row(name: str, main: Mapping[str, Any], variant: Mapping[str, Any]) -> str:
+    """One row of the two-width read-out: the variant's fitted shift at the second width and
+    at the top one, and its loss over re-tuned standard training's best at b and at each
+    model's extrapolated rate (:func:`~fslr_func.experiments.matrix.two_width_cell`)."""
+    std_best = main["modes"]["standard"].get("best_loss")
+    flerm = variant["modes"].get("flerm", {})
+    two = variant.get("two_widths", {})
+
+    def ratio(mean: float | None) -> str:
+        return _fmt(mean / std_best if mean is not None and std_best else None)
+
+    models = []
+    for model in ("inverse_width", "constant"):
+        lr, at = two.get("rates", {}).get(model), two.get("at", {}).get(model, {})
+        shift = "-" if lr is None else f"{math.log2(lr / variant['tuned']):+.2f}"
+        models.append(f"{shift}; {ratio(at.get('mean'))}")
+    s2, s8 = two.get("second_fit_shift"), flerm.get("fit_shift")
+    return (
+        f"| {name} | 2^{round(math.log2(variant['tuned']), 2):g} | {_fmt(s2, '+.2f')} | "
+        f"{_fmt(s8, '+.2f')} | {ratio(flerm.get('at_tuned', {}).get('mean'))} | "
+        f"{models[0]} | {models[1]} |"
+    )
+
+
 def _base_rate(text: str, parser: argparse.ArgumentParser) -> tuple[str, float]:
     """``CELL=LR`` of ``--base-rate``."""
     cell, _, lr = text.partition("=")
@@ -386,6 +422,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="run the cells at this width multiple instead of 8 (folders CELL@Kx)",
     )
+    p.add_argument(
+        "--two-widths",
+        type=int,
+        default=None,
+        metavar="K",
+        help="with --variant: also run each variant at K times the base width and at the top "
+        "width at the rate its fitted best there extrapolates to (two_width_cell)",
+    )
     args = p.parse_args(argv)
     if args.list:
         print("\n".join(ALL_CELLS))
@@ -403,12 +447,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     given = dict(_base_rate(text, p) for text in args.base_rate)
     if given and not args.variant:
         p.error("--base-rate runs variants only: give --variant")
+    if args.two_widths is not None and not (args.variant and 1 < args.two_widths < top):
+        p.error(f"--two-widths K needs --variant and 1 < K < {top:g} (the top width)")
     doc: dict[str, Any] = {}
 
     def variant_cell(name: str, variant: str, tuned: float) -> dict[str, Any]:
-        """FLeRM with ``variant`` on cell ``name`` around the base rate ``tuned``."""
-        return adaptive_cell(
-            cells[name].replace(flerm_variant=variant),
+        """FLeRM with ``variant`` on cell ``name`` around the base rate ``tuned`` (and, with
+        ``--two-widths``, at the rate the second width extrapolates to)."""
+        config = cells[name].replace(flerm_variant=variant)
+        out = adaptive_cell(
+            config,
             args.out / f"{name}+{variant}",
             modes=("flerm",),
             tuned=tuned,
@@ -417,10 +465,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             train=not args.cached,
             refine=args.refine,
         )
+        if args.two_widths is not None:
+            second = args.out.with_name(f"{args.out.name.split('@')[0]}@{args.two_widths}x")
+            out["two_widths"] = two_width_cell(
+                config,
+                args.out / f"{name}+{variant}",
+                second / f"{name}+{variant}",
+                tuned,
+                args.two_widths,
+                jobs=args.jobs,
+                log=lambda s: print(s, flush=True),
+                train=not args.cached,
+            )
+        return out
 
+    two_width_rows: list[str] = []
     for name in [n for n in names if n in given]:
         for variant in args.variant:
-            flerm = variant_cell(name, variant, given[name])["modes"].get("flerm")
+            done = variant_cell(name, variant, given[name])
+            if args.two_widths is not None:
+                main_cell = adaptive_cell(cells[name], args.out / name, train=False, refine=True)
+                if main_cell["tuned"] is not None:
+                    two_width_rows.append(two_width_row(f"{name} {variant}", main_cell, done))
+            flerm = done["modes"].get("flerm")
             if flerm is not None:
                 at = flerm["at_tuned"]
                 print(
@@ -445,6 +512,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         doc[name] = {"main": main_out, "variants": {}}
         for variant in args.variant:
             doc[name]["variants"][variant] = variant_cell(name, variant, main_out["tuned"])
+            if args.two_widths is not None:
+                two_width_rows.append(
+                    two_width_row(f"{name} {variant}", main_out, doc[name]["variants"][variant])
+                )
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     for variant in [None, *args.variant] if doc else []:
         label = f" (FLeRM columns: variant {variant})" if variant else ""
@@ -462,6 +533,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "best on the others; re-tuning's best seed mean is biased low):\n"
             f"{compact(doc, args.variant, against='other_seeds')}"
         )
+    if two_width_rows:
+        print(
+            f"\nFLeRM's best rate at {args.two_widths}x width carried to {top:g}x (fitted "
+            f"shifts in octaves from b; losses at {top:g}x over re-tuned standard training's "
+            f"best):\n{TWO_WIDTH_HEADER}"
+        )
+        print("\n".join(two_width_rows))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))

@@ -22,10 +22,14 @@ the half-octave neighbours of its best rate. It asks how much of a transferred l
 octave grid quantising the base's optimum (docs/reproduction.md, "The base's rate at half an
 octave", measures it: it moves single cells either way more than it moves the matrix).
 
+:func:`two_width_cell` asks whether a second small width tells FLeRM's overall level at the
+top one: FLeRM's best rate at, say, 2x (fitted between the half-octave rates,
+:func:`fitted_best`) carried to 8x by :func:`width_extrapolated_shift`.
+
 Read-out per mode at 8x (:func:`cell_summary`): the best rate and its shift in octaves from
-:math:`b`, the loss at :math:`b` (the *transferred* loss: mean, sample standard deviation and
-each seed), and for FLeRM and muP the ratio of the transferred loss to re-tuned standard
-training's best loss at 8x (1 = as good as re-tuning).
+:math:`b` (and the fitted one), the loss at :math:`b` (the *transferred* loss: mean, sample
+standard deviation and each seed), and for FLeRM and muP the ratio of the transferred loss to
+re-tuned standard training's best loss at 8x (1 = as good as re-tuning).
 
 Examples:
     >>> phase2_rates(2.0**-6, "standard") == tuple(2.0**k for k in range(-9, -5))
@@ -55,9 +59,12 @@ __all__ = [
     "adaptive_cell",
     "best_rate",
     "cell_summary",
+    "fitted_best",
     "other_seeds_best",
     "phase2_rates",
     "run_specs",
+    "two_width_cell",
+    "width_extrapolated_shift",
 ]
 
 LR_RANGE = (-20, 2)
@@ -163,6 +170,60 @@ def best_rate(
     rates = [lr for lr, _ in scored]
     finite = [(s, lr) for lr, s in scored if math.isfinite(s)]
     return (min(finite)[1] if finite else None), rates
+
+
+def fitted_best(
+    runs: Mapping[str, Mapping[str, Any]], mode: str, scale: float, seeds: int
+) -> float | None:
+    r""":math:`\log_2` of ``mode``'s best rate at ``scale``, resolved between the rates run.
+
+    The vertex of the parabola through the best rate and its two neighbours (seed-mean loss
+    against :math:`\log_2` of the rate, any spacing), kept between the two neighbours; the
+    best rate itself where it has no converged neighbour on a side (an edge, or the next
+    rate diverged) or the three points do not curve up. ``None`` if no rate converged.
+
+    Examples:
+        >>> runs = {RunSpec("flerm", 2.0, 2.0**e, 0).key:
+        ...         {"mode": "flerm", "scale": 2.0, "lr": 2.0**e, "loss": (e + 6.25) ** 2}
+        ...         for e in (-7, -6.5, -6, -5)}
+        >>> fitted_best(runs, "flerm", 2.0, 1)
+        -6.25
+    """
+    best, rates = best_rate(runs, mode, scale, seeds)
+    if best is None:
+        return None
+    i = rates.index(best)
+    x1 = math.log2(best)
+    if i == 0 or i == len(rates) - 1:
+        return x1
+    points = [(math.log2(lr), _score(_losses(runs, mode, scale, lr, seeds) or [])) for lr in rates]
+    (x0, y0), (_, y1), (x2, y2) = points[i - 1 : i + 2]
+    if not (math.isfinite(y0) and math.isfinite(y2)):
+        return x1
+    # the vertex of the parabola through three points (Numerical Recipes' parabolic step)
+    p, q = (x1 - x0) * (y1 - y2), (x1 - x2) * (y1 - y0)
+    den = p - q
+    if den >= 0:  # flat or curving down: no interior minimum to trust
+        return x1
+    vertex = x1 - 0.5 * ((x1 - x0) * p - (x1 - x2) * q) / den
+    return min(max(vertex, x0), x2)
+
+
+def width_extrapolated_shift(shift: float, second: float, top: float) -> float:
+    r"""The shift of the best rate at width multiple ``top``, from its shift at ``second``.
+
+    The model: a finite-width correction of the best rate that decays as one over the
+    width, :math:`s(m) = s_\infty (1 - 1/m)` in octaves from the base's (:math:`s(1) = 0`),
+    so :math:`s(\text{top}) = s(\text{second}) \cdot (1 - 1/\text{top}) /
+    (1 - 1/\text{second})`: from 2x to 8x a factor of 1.75.
+
+    Examples:
+        >>> round(width_extrapolated_shift(0.4, 2, 8), 6)
+        0.7
+    """
+    if second <= 1 or top <= 1:
+        raise ValueError(f"width multiples must exceed 1 (the base); got {second} and {top}")
+    return shift * (1 - 1 / top) / (1 - 1 / second)
 
 
 def other_seeds_best(
@@ -303,6 +364,68 @@ def adaptive_cell(
     return cell_summary(config, runs, tuned, modes)
 
 
+def two_width_cell(
+    config: SweepConfig,
+    out: str | Path,
+    out_second: str | Path,
+    tuned: float,
+    second: float,
+    *,
+    task: Task | None = None,
+    jobs: int = 1,
+    log: Callable[[str], None] | None = None,
+    train: bool = True,
+) -> dict[str, Any]:
+    """FLeRM (``config``'s variant) at the top width at a rate read from a second, small width.
+
+    FLeRM runs at ``second`` times the base width around the base's best rate ``tuned`` on
+    the refined adaptive grid (:func:`adaptive_cell`, folder ``out_second``); its fitted best
+    rate there (:func:`fitted_best`) is ``s`` octaves from ``tuned``. At the top width (folder
+    ``out``, beside the cell's other FLeRM runs) it then runs at ``tuned`` shifted by each
+    model of how ``s`` grows with width: ``"inverse_width"``,
+    :func:`width_extrapolated_shift`; ``"constant"``, ``s`` as it is. What a user gets who
+    tunes FLeRM's overall level at two small widths instead of one.
+
+    Returns:
+        ``{"second_fit_shift": s, "rates": {model: rate}, "at": {model: {"mean", "sd",
+        "losses"}}}``; ``"rates"`` and ``"at"`` are empty when the second width has no
+        converged rate (or, with ``train=False``, has not run).
+    """
+    base, top, seeds = config.base_scale, config.scales[-1], config.seeds
+    small = config.replace(scales=(base, base * second))
+    summary = adaptive_cell(
+        small,
+        out_second,
+        modes=("flerm",),
+        tuned=tuned,
+        task=task,
+        jobs=jobs,
+        log=log,
+        train=train,
+        refine=True,
+    )
+    s = summary["modes"].get("flerm", {}).get("fit_shift")
+    doc: dict[str, Any] = {"second_fit_shift": s, "rates": {}, "at": {}}
+    if s is None:
+        return doc
+    shifts = {"inverse_width": width_extrapolated_shift(s, second, top / base), "constant": s}
+    # exponents to 1/100 of an octave: the same float, so the same cached run, on a re-read
+    rates = {k: 2.0 ** round(math.log2(tuned) + v, 2) for k, v in shifts.items()}
+    specs = [RunSpec("flerm", top, lr, k) for lr in rates.values() for k in range(seeds)]
+    runs = run_specs(config, out, specs, task=task, jobs=jobs, log=log, train=train)
+    doc["rates"] = rates
+    for model, lr in rates.items():
+        losses = _losses(runs, "flerm", top, lr, seeds)
+        if losses is not None:
+            finite = all(map(math.isfinite, losses))
+            doc["at"][model] = {
+                "mean": _score(losses),
+                "sd": statistics.stdev(losses) if finite and len(losses) > 1 else 0.0,
+                "losses": losses,
+            }
+    return doc
+
+
 def cell_summary(
     config: SweepConfig,
     runs: Mapping[str, Mapping[str, Any]],
@@ -313,13 +436,14 @@ def cell_summary(
 
     Returns:
         ``{"tuned": b, "base_loss": mean loss at b at 1x, "modes": {mode: {"best_lr",
-        "shift" (octaves from b), "best_loss", "best_test" (the test loss at the best rate),
-        "at_tuned": {"mean", "sd", "losses", "test"}, "ratio": transferred loss / standard's
-        best loss at 8x, "test_ratio": the test losses of the same two,
-        "other_seeds_ratio": the transferred loss over standard's ``"other_seeds_best"``
-        (:func:`other_seeds_best`: re-tuning judged on seeds it was not chosen on) (non-standard
-        modes)}}}``; a test loss is ``None`` where a seed has none (the task has no test
-        split, or the run diverged). The rates are chosen by training loss throughout.
+        "shift" (octaves from b), "fit_shift" (:func:`fitted_best`'s, from b), "best_loss",
+        "best_test" (the test loss at the best rate), "at_tuned": {"mean", "sd", "losses",
+        "test"}, "ratio": transferred loss / standard's best loss at 8x, "test_ratio": the
+        test losses of the same two, "other_seeds_ratio": the transferred loss over
+        standard's ``"other_seeds_best"`` (:func:`other_seeds_best`: re-tuning judged on seeds
+        it was not chosen on) (non-standard modes)}}}``; a test loss is ``None`` where a seed
+        has none (the task has no test split, or the run diverged). The rates are chosen by
+        training loss throughout.
 
     Examples:
         >>> cfg = SweepConfig(scales=(1, 8), seeds=1)
@@ -341,9 +465,11 @@ def cell_summary(
         best, rates = best_rate(runs, m, top, seeds)
         at = _losses(runs, m, top, tuned, seeds)
         finite = at is not None and all(math.isfinite(v) for v in at)
+        fit = fitted_best(runs, m, top, seeds)
         entry: dict[str, Any] = {
             "best_lr": best,
             "shift": None if best is None else round(math.log2(best / tuned), 6),
+            "fit_shift": None if fit is None else round(fit - math.log2(tuned), 6),
             "best_loss": None if best is None else _score(_losses(runs, m, top, best, seeds) or []),
             "rates": rates,
             "edge": best is not None and best in (rates[0], rates[-1]) and len(rates) > 1,

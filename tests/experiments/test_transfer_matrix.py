@@ -13,7 +13,10 @@ from fslr_func.experiments.matrix import (
     adaptive_cell,
     best_rate,
     cell_summary,
+    fitted_best,
     other_seeds_best,
+    two_width_cell,
+    width_extrapolated_shift,
 )
 from fslr_func.experiments.run import RunSpec
 from tests._scripts import load_script
@@ -173,6 +176,69 @@ def test_cell_summary_reads_test_losses_at_the_rates_chosen_by_training_loss():
     assert out["mup"]["ratio"] == pytest.approx(0.7 / 0.8)
 
 
+def _curve(losses: dict[float, float | None], seeds: int = 1) -> dict:
+    """FLeRM runs at 2x: log2 rate -> loss (``None``: diverged), the same on every seed."""
+    return {
+        RunSpec("flerm", 2.0, 2.0**e, k).key: {
+            "mode": "flerm",
+            "scale": 2.0,
+            "lr": 2.0**e,
+            "loss": v,
+        }
+        for e, v in losses.items()
+        for k in range(seeds)
+    }
+
+
+def test_fitted_best_is_the_parabolas_vertex_between_the_neighbours():
+    # a parabola with its vertex at -6.2, on a grid of unequal spacing
+    exact = {e: (e + 6.2) ** 2 + 1.0 for e in (-8.0, -7.0, -6.5, -6.0, -5.0)}
+    assert fitted_best(_curve(exact), "flerm", 2.0, 1) == pytest.approx(-6.2)
+    # kept between the neighbours of the best rate, however steep the other side
+    lopsided = {-7.0: 1.0, -6.5: 0.5, -6.0: 0.5000001}
+    assert -6.5 <= fitted_best(_curve(lopsided), "flerm", 2.0, 1) <= -6.0
+    # the best itself at an edge, or next to a diverged rate: nothing to fit
+    assert fitted_best(_curve({-7.0: 2.0, -6.0: 1.0}), "flerm", 2.0, 1) == -6.0
+    assert fitted_best(_curve({-7.0: 2.0, -6.0: 1.0, -5.0: None}), "flerm", 2.0, 1) == -6.0
+    assert fitted_best(_curve({-7.0: None}), "flerm", 2.0, 1) is None
+
+
+def test_width_extrapolated_shift_decays_as_one_over_the_width():
+    s2 = 0.4
+    # s(m) = s_inf (1 - 1/m): s(2) = s_inf / 2, so s_inf = 0.8
+    assert width_extrapolated_shift(s2, 2, 8) == pytest.approx(0.8 * (1 - 1 / 8))
+    assert width_extrapolated_shift(s2, 2, 2) == pytest.approx(s2)
+    assert width_extrapolated_shift(-s2, 2, 4) == pytest.approx(-0.6)
+    with pytest.raises(ValueError, match="must exceed 1"):
+        width_extrapolated_shift(s2, 1, 8)
+
+
+def test_two_width_cell_runs_the_top_width_at_the_extrapolated_rates(tmp_path):
+    config = _tiny_cell().replace(scales=(1, 4), flerm_variant="readout_built_upstream")
+    tuned = 2.0**-4
+    doc = two_width_cell(config, tmp_path / "top", tmp_path / "second", tuned, 2, jobs=1)
+    s2 = doc["second_fit_shift"]
+    second = adaptive_cell(
+        config.replace(scales=(1, 2)),
+        tmp_path / "second",
+        modes=("flerm",),
+        tuned=tuned,
+        train=False,
+        refine=True,
+    )
+    assert s2 == second["modes"]["flerm"]["fit_shift"]  # the refined grid's fitted best
+    inverse = math.log2(doc["rates"]["inverse_width"] / tuned)
+    assert inverse == pytest.approx(width_extrapolated_shift(s2, 2, 4), abs=0.005)
+    assert math.log2(doc["rates"]["constant"] / tuned) == pytest.approx(s2, abs=0.005)
+    for model in ("inverse_width", "constant"):
+        assert math.isfinite(doc["at"][model]["mean"])
+    # cached: a re-read trains nothing and reads the same
+    again = two_width_cell(
+        config, tmp_path / "top", tmp_path / "second", tuned, 2, jobs=1, train=False
+    )
+    assert again == doc
+
+
 def test_matrix_script_lists_cells_and_prints_rows(capsys):
     mod = load_script("benchmarks/transfer_matrix.py")
     assert mod.main(["--list"]) == 0
@@ -204,6 +270,8 @@ def test_matrix_script_lists_cells_and_prints_rows(capsys):
         (["--base-rate", "nope=2^-6", "--variant", "feature"], "unknown cell 'nope'"),
         (["--base-rate", "resmlp-w32-s150=x", "--variant", "feature"], "'x' is not a number"),
         (["--base-rate", "resmlp-w32-s150=2^-6"], "give --variant"),
+        (["--two-widths", "2"], "needs --variant"),
+        (["--two-widths", "8", "--variant", "feature"], "1 < K < 8"),
     ],
 )
 def test_matrix_script_base_rate_refuses_bad_input(args, says, capsys):
@@ -262,3 +330,20 @@ def test_readout_choice_script_reports_the_auto_variants_choice(tmp_path, monkey
     record.save(tmp_path / "lr=0.01_mean.json")
     factor, matched = mod.choice("tiny", 0.01, 0, tmp_path)
     assert factor > 0 and matched == ("features" if factor < 0.5 else "output")
+
+
+def test_two_width_row_reads_each_model_against_retuning():
+    mod = load_script("benchmarks/transfer_matrix.py")
+    main = {"tuned": 2.0**-6, "modes": {"standard": {"best_loss": 0.5}}}
+    variant = {
+        "tuned": 2.0**-6,
+        "modes": {"flerm": {"fit_shift": 0.3, "at_tuned": {"mean": 0.55}}},
+        "two_widths": {
+            "second_fit_shift": 0.2,
+            "rates": {"inverse_width": 2.0**-5.65, "constant": 2.0**-5.8},
+            "at": {"inverse_width": {"mean": 0.5}, "constant": {"mean": 0.52}},
+        },
+    }
+    assert mod.two_width_row("x", main, variant) == (
+        "| x | 2^-6 | +0.20 | +0.30 | 1.100 | +0.35; 1.000 | +0.20; 1.040 |"
+    )
