@@ -349,33 +349,39 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path, top: float
 
 
 TWO_WIDTH_HEADER = (
-    "| cell | base best b | fitted shift at the second width | fitted shift at the top width | "
-    "at b / re-tuned | inverse-width model: shift; / re-tuned | constant model: shift; / "
-    "re-tuned |\n|---|---|---|---|---|---|---|"
+    "| cell | base best b | FLeRM's fitted shift at the second width; at the top width | "
+    "FLeRM at b / re-tuned | inverse-width model: shift; / re-tuned | constant model: shift; "
+    "/ re-tuned | muP at b / re-tuned | muP, inverse-width model: shift; / re-tuned |\n"
+    "|---|---|---|---|---|---|---|---|"
 )
 
 
-def two_width_row(name: str, main: Mapping[str, Any], variant: Mapping[str, Any]) -> str:
+def two_width_row(
+    name: str, main: Mapping[str, Any], variant: Mapping[str, Any], mup: Mapping[str, Any]
+) -> str:
     """One row of the two-width read-out: the variant's fitted shift at the second width and
-    at the top one, and its loss over re-tuned standard training's best at b and at each
-    model's extrapolated rate (:func:`~fslr_func.experiments.matrix.two_width_cell`)."""
+    at the top one; its loss and muP's over re-tuned standard training's best, at b and at
+    each model's extrapolated rate (:func:`~fslr_func.experiments.matrix.two_width_cell`;
+    ``variant["two_widths"]`` and ``mup`` are its read-outs)."""
     std_best = main["modes"]["standard"].get("best_loss")
-    flerm = variant["modes"].get("flerm", {})
-    two = variant.get("two_widths", {})
+    tuned = variant["tuned"]
 
     def ratio(mean: float | None) -> str:
         return _fmt(mean / std_best if mean is not None and std_best else None)
 
-    models = []
-    for model in ("inverse_width", "constant"):
-        lr, at = two.get("rates", {}).get(model), two.get("at", {}).get(model, {})
-        shift = "-" if lr is None else f"{math.log2(lr / variant['tuned']):+.2f}"
-        models.append(f"{shift}; {ratio(at.get('mean'))}")
-    s2, s8 = two.get("second_fit_shift"), flerm.get("fit_shift")
+    def model(two: Mapping[str, Any], key: str) -> str:
+        lr, at = two.get("rates", {}).get(key), two.get("at", {}).get(key, {})
+        shift = "-" if lr is None else f"{math.log2(lr / tuned):+.2f}"
+        return f"{shift}; {ratio(at.get('mean'))}"
+
+    two = variant.get("two_widths", {})
+    s2, s8 = two.get("second_fit_shift"), variant["modes"].get("flerm", {}).get("fit_shift")
+    at_b = variant["modes"].get("flerm", {}).get("at_tuned", {}).get("mean")
+    mup_at_b = main["modes"].get("mup", {}).get("at_tuned", {}).get("mean")
     return (
-        f"| {name} | 2^{round(math.log2(variant['tuned']), 2):g} | {_fmt(s2, '+.2f')} | "
-        f"{_fmt(s8, '+.2f')} | {ratio(flerm.get('at_tuned', {}).get('mean'))} | "
-        f"{models[0]} | {models[1]} |"
+        f"| {name} | 2^{round(math.log2(tuned), 2):g} | {_fmt(s2, '+.2f')}; {_fmt(s8, '+.2f')} | "
+        f"{ratio(at_b)} | {model(two, 'inverse_width')} | {model(two, 'constant')} | "
+        f"{ratio(mup_at_b)} | {model(mup, 'inverse_width')} |"
     )
 
 
@@ -466,18 +472,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             refine=args.refine,
         )
         if args.two_widths is not None:
-            second = args.out.with_name(f"{args.out.name.split('@')[0]}@{args.two_widths}x")
-            out["two_widths"] = two_width_cell(
-                config,
-                args.out / f"{name}+{variant}",
-                second / f"{name}+{variant}",
-                tuned,
-                args.two_widths,
-                jobs=args.jobs,
-                log=lambda s: print(s, flush=True),
-                train=not args.cached,
-            )
+            out["two_widths"] = two_widths(name, variant, tuned)
         return out
+
+    def two_widths(name: str, variant: str | None, tuned: float) -> dict[str, Any]:
+        """:func:`two_width_cell` of FLeRM with ``variant``, or of muP (``None``)."""
+        second = args.out.with_name(f"{args.out.name.split('@')[0]}@{args.two_widths}x")
+        folder = name if variant is None else f"{name}+{variant}"
+        return two_width_cell(
+            cells[name].replace(flerm_variant=variant),
+            args.out / folder,
+            second / folder,
+            tuned,
+            args.two_widths,
+            mode="flerm" if variant else "mup",
+            jobs=args.jobs,
+            log=lambda s: print(s, flush=True),
+            train=not args.cached,
+        )
 
     two_width_rows: list[str] = []
     for name in [n for n in names if n in given]:
@@ -486,7 +498,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.two_widths is not None:
                 main_cell = adaptive_cell(cells[name], args.out / name, train=False, refine=True)
                 if main_cell["tuned"] is not None:
-                    two_width_rows.append(two_width_row(f"{name} {variant}", main_cell, done))
+                    mup = two_widths(name, None, given[name])
+                    two_width_rows.append(two_width_row(f"{name} {variant}", main_cell, done, mup))
             flerm = done["modes"].get("flerm")
             if flerm is not None:
                 at = flerm["at_tuned"]
@@ -513,9 +526,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         for variant in args.variant:
             doc[name]["variants"][variant] = variant_cell(name, variant, main_out["tuned"])
             if args.two_widths is not None:
-                two_width_rows.append(
-                    two_width_row(f"{name} {variant}", main_out, doc[name]["variants"][variant])
-                )
+                mup = two_widths(name, None, main_out["tuned"])
+                done = doc[name]["variants"][variant]
+                two_width_rows.append(two_width_row(f"{name} {variant}", main_out, done, mup))
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     for variant in [None, *args.variant] if doc else []:
         label = f" (FLeRM columns: variant {variant})" if variant else ""

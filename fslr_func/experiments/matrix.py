@@ -371,20 +371,22 @@ def two_width_cell(
     tuned: float,
     second: float,
     *,
+    mode: str = "flerm",
     task: Task | None = None,
     jobs: int = 1,
     log: Callable[[str], None] | None = None,
     train: bool = True,
 ) -> dict[str, Any]:
-    """FLeRM (``config``'s variant) at the top width at a rate read from a second, small width.
+    """``mode`` at the top width at a rate read from a second, small width.
 
-    FLeRM runs at ``second`` times the base width around the base's best rate ``tuned`` on
-    the refined adaptive grid (:func:`adaptive_cell`, folder ``out_second``); its fitted best
-    rate there (:func:`fitted_best`) is ``s`` octaves from ``tuned``. At the top width (folder
-    ``out``, beside the cell's other FLeRM runs) it then runs at ``tuned`` shifted by each
-    model of how ``s`` grows with width: ``"inverse_width"``,
-    :func:`width_extrapolated_shift`; ``"constant"``, ``s`` as it is. What a user gets who
-    tunes FLeRM's overall level at two small widths instead of one.
+    ``mode`` (FLeRM with ``config``'s variant, or muP) runs at ``second`` times the base
+    width around the base's best rate ``tuned`` on the refined adaptive grid
+    (:func:`adaptive_cell`, folder ``out_second``); its fitted best rate there
+    (:func:`fitted_best`) is ``s`` octaves from ``tuned``. At the top width (folder ``out``,
+    beside the cell's other runs of ``mode``) it then runs at ``tuned`` shifted by each model
+    of how ``s`` grows with width: ``"inverse_width"``, :func:`width_extrapolated_shift`;
+    ``"constant"``, ``s`` as it is. What a user gets who tunes the overall level at two
+    small widths instead of one.
 
     Returns:
         ``{"second_fit_shift": s, "rates": {model: rate}, "at": {model: {"mean", "sd",
@@ -396,7 +398,7 @@ def two_width_cell(
     summary = adaptive_cell(
         small,
         out_second,
-        modes=("flerm",),
+        modes=(mode,),
         tuned=tuned,
         task=task,
         jobs=jobs,
@@ -404,18 +406,18 @@ def two_width_cell(
         train=train,
         refine=True,
     )
-    s = summary["modes"].get("flerm", {}).get("fit_shift")
+    s = summary["modes"].get(mode, {}).get("fit_shift")
     doc: dict[str, Any] = {"second_fit_shift": s, "rates": {}, "at": {}}
     if s is None:
         return doc
     shifts = {"inverse_width": width_extrapolated_shift(s, second, top / base), "constant": s}
     # exponents to 1/100 of an octave: the same float, so the same cached run, on a re-read
     rates = {k: 2.0 ** round(math.log2(tuned) + v, 2) for k, v in shifts.items()}
-    specs = [RunSpec("flerm", top, lr, k) for lr in rates.values() for k in range(seeds)]
+    specs = [RunSpec(mode, top, lr, k) for lr in rates.values() for k in range(seeds)]
     runs = run_specs(config, out, specs, task=task, jobs=jobs, log=log, train=train)
     doc["rates"] = rates
     for model, lr in rates.items():
-        losses = _losses(runs, "flerm", top, lr, seeds)
+        losses = _losses(runs, mode, top, lr, seeds)
         if losses is not None:
             finite = all(map(math.isfinite, losses))
             doc["at"][model] = {

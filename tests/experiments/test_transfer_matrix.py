@@ -217,6 +217,8 @@ def test_two_width_cell_runs_the_top_width_at_the_extrapolated_rates(tmp_path):
     config = _tiny_cell().replace(scales=(1, 4), flerm_variant="readout_built_upstream")
     tuned = 2.0**-4
     doc = two_width_cell(config, tmp_path / "top", tmp_path / "second", tuned, 2, jobs=1)
+    mup = two_width_cell(config, tmp_path / "top", tmp_path / "mup2", tuned, 2, mode="mup")
+    assert set(mup["at"]) == {"inverse_width", "constant"}  # muP gets the same second width
     s2 = doc["second_fit_shift"]
     second = adaptive_cell(
         config.replace(scales=(1, 2)),
@@ -334,7 +336,10 @@ def test_readout_choice_script_reports_the_auto_variants_choice(tmp_path, monkey
 
 def test_two_width_row_reads_each_model_against_retuning():
     mod = load_script("benchmarks/transfer_matrix.py")
-    main = {"tuned": 2.0**-6, "modes": {"standard": {"best_loss": 0.5}}}
+    main = {
+        "tuned": 2.0**-6,
+        "modes": {"standard": {"best_loss": 0.5}, "mup": {"at_tuned": {"mean": 0.54}}},
+    }
     variant = {
         "tuned": 2.0**-6,
         "modes": {"flerm": {"fit_shift": 0.3, "at_tuned": {"mean": 0.55}}},
@@ -344,6 +349,7 @@ def test_two_width_row_reads_each_model_against_retuning():
             "at": {"inverse_width": {"mean": 0.5}, "constant": {"mean": 0.52}},
         },
     }
-    assert mod.two_width_row("x", main, variant) == (
-        "| x | 2^-6 | +0.20 | +0.30 | 1.100 | +0.35; 1.000 | +0.20; 1.040 |"
+    mup = {"rates": {"inverse_width": 2.0**-6.5}, "at": {"inverse_width": {"mean": 0.53}}}
+    assert mod.two_width_row("x", main, variant, mup) == (
+        "| x | 2^-6 | +0.20; +0.30 | 1.100 | +0.35; 1.000 | +0.20; 1.040 | 1.080 | -0.50; 1.060 |"
     )
