@@ -351,8 +351,8 @@ def plot(doc: Mapping[str, Any], variants: Sequence[str], path: Path, top: float
 TWO_WIDTH_HEADER = (
     "| cell | base best b | FLeRM's fitted shift at the second width; at the top width | "
     "FLeRM at b / re-tuned | inverse-width model: shift; / re-tuned | constant model: shift; "
-    "/ re-tuned | muP at b / re-tuned | muP, inverse-width model: shift; / re-tuned |\n"
-    "|---|---|---|---|---|---|---|---|"
+    "/ re-tuned | muP at b / re-tuned | muP, inverse-width model: shift; / re-tuned | muP, "
+    "constant model: shift; / re-tuned |\n|---|---|---|---|---|---|---|---|---|"
 )
 
 
@@ -381,7 +381,7 @@ def two_width_row(
     return (
         f"| {name} | 2^{round(math.log2(tuned), 2):g} | {_fmt(s2, '+.2f')}; {_fmt(s8, '+.2f')} | "
         f"{ratio(at_b)} | {model(two, 'inverse_width')} | {model(two, 'constant')} | "
-        f"{ratio(mup_at_b)} | {model(mup, 'inverse_width')} |"
+        f"{ratio(mup_at_b)} | {model(mup, 'inverse_width')} | {model(mup, 'constant')} |"
     )
 
 

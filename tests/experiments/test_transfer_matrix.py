@@ -351,5 +351,6 @@ def test_two_width_row_reads_each_model_against_retuning():
     }
     mup = {"rates": {"inverse_width": 2.0**-6.5}, "at": {"inverse_width": {"mean": 0.53}}}
     assert mod.two_width_row("x", main, variant, mup) == (
-        "| x | 2^-6 | +0.20; +0.30 | 1.100 | +0.35; 1.000 | +0.20; 1.040 | 1.080 | -0.50; 1.060 |"
+        "| x | 2^-6 | +0.20; +0.30 | 1.100 | +0.35; 1.000 | +0.20; 1.040 | 1.080 | -0.50; 1.060 "
+        "| -; - |"
     )
