@@ -394,6 +394,11 @@ def two_width_cell(
         converged rate (or, with ``train=False``, has not run).
     """
     base, top, seeds = config.base_scale, config.scales[-1], config.seeds
+    if not 1 < second < top / base:
+        raise ValueError(
+            f"the second width multiple must lie between the base's (1) and the top one "
+            f"({top / base:g}); got {second}"
+        )
     small = config.replace(scales=(base, base * second))
     summary = adaptive_cell(
         small,

@@ -234,6 +234,9 @@ def test_two_width_cell_runs_the_top_width_at_the_extrapolated_rates(tmp_path):
     assert math.log2(doc["rates"]["constant"] / tuned) == pytest.approx(s2, abs=0.005)
     for model in ("inverse_width", "constant"):
         assert math.isfinite(doc["at"][model]["mean"])
+    for bad in (1, 4, 8):  # the second width lies strictly between the base and the top
+        with pytest.raises(ValueError, match="between the base's"):
+            two_width_cell(config, tmp_path / "top", tmp_path / "bad", tuned, bad, train=False)
     # cached: a re-read trains nothing and reads the same
     again = two_width_cell(
         config, tmp_path / "top", tmp_path / "second", tuned, 2, jobs=1, train=False
