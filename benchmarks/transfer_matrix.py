@@ -385,6 +385,43 @@ def two_width_row(
     )
 
 
+def two_width_counts(
+    docs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]],
+) -> str:
+    """How many rows of the two-width read-out are within 2% of re-tuning, for FLeRM (the
+    variant) and muP at b and at each model's rate: against re-tuning's best seed mean, and
+    against re-tuning judged on seeds it was not chosen on (``other_seeds_best``); ``docs``
+    holds (main read-out, variant read-out, muP's two-width read-out) per row."""
+    columns: dict[str, list[tuple[float | None, Mapping[str, Any]]]] = {}
+    for main, variant, mup in docs:
+        std = main["modes"]["standard"]
+        two = variant.get("two_widths", {})
+        means = {
+            "FLeRM at b": variant["modes"].get("flerm", {}).get("at_tuned", {}).get("mean"),
+            "inverse width": two.get("at", {}).get("inverse_width", {}).get("mean"),
+            "constant": two.get("at", {}).get("constant", {}).get("mean"),
+            "muP at b": main["modes"].get("mup", {}).get("at_tuned", {}).get("mean"),
+            "muP, inverse width": mup.get("at", {}).get("inverse_width", {}).get("mean"),
+            "muP, constant": mup.get("at", {}).get("constant", {}).get("mean"),
+        }
+        for label, mean in means.items():
+            columns.setdefault(label, []).append((mean, std))
+
+    def within(label: str, ref: str) -> int:
+        return sum(
+            1
+            for mean, std in columns[label]
+            if mean is not None and std.get(ref) and mean / std[ref] <= 1.02
+        )
+
+    return f"within 2% of re-tuning, of {len(docs)} (of re-tuning judged on other seeds): " + (
+        "; ".join(
+            f"{label} {within(label, 'best_loss')} ({within(label, 'other_seeds_best')})"
+            for label in columns
+        )
+    )
+
+
 def _base_rate(text: str, parser: argparse.ArgumentParser) -> tuple[str, float]:
     """``CELL=LR`` of ``--base-rate``."""
     cell, _, lr = text.partition("=")
@@ -492,6 +529,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
 
     two_width_rows: list[str] = []
+    two_width_docs: list[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]] = []
     for name in [n for n in names if n in given]:
         for variant in args.variant:
             done = variant_cell(name, variant, given[name])
@@ -500,6 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 if main_cell["tuned"] is not None:
                     mup = two_widths(name, None, given[name])
                     two_width_rows.append(two_width_row(f"{name} {variant}", main_cell, done, mup))
+                    two_width_docs.append((main_cell, done, mup))
             flerm = done["modes"].get("flerm")
             if flerm is not None:
                 at = flerm["at_tuned"]
@@ -529,6 +568,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 mup = two_widths(name, None, main_out["tuned"])
                 done = doc[name]["variants"][variant]
                 two_width_rows.append(two_width_row(f"{name} {variant}", main_out, done, mup))
+                two_width_docs.append((main_out, done, mup))
         print(f"{name}: {time.perf_counter() - t0:.0f} s", flush=True)
     for variant in [None, *args.variant] if doc else []:
         label = f" (FLeRM columns: variant {variant})" if variant else ""
@@ -553,6 +593,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"best):\n{TWO_WIDTH_HEADER}"
         )
         print("\n".join(two_width_rows))
+        print(f"\n{two_width_counts(two_width_docs)}")
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(doc, indent=1, default=str))

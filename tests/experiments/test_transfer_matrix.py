@@ -357,3 +357,24 @@ def test_two_width_row_reads_each_model_against_retuning():
         "| x | 2^-6 | +0.20; +0.30 | 1.100 | +0.35; 1.000 | +0.20; 1.040 | 1.080 | -0.50; 1.060 "
         "| -; - |"
     )
+
+
+def test_two_width_counts_reads_both_references():
+    mod = load_script("benchmarks/transfer_matrix.py")
+    main = {
+        "modes": {
+            "standard": {"best_loss": 1.0, "other_seeds_best": 1.1},
+            "mup": {"at_tuned": {"mean": 1.1}},
+        }
+    }
+    variant = {
+        "modes": {"flerm": {"at_tuned": {"mean": 1.0}}},
+        "two_widths": {"at": {"inverse_width": {"mean": 1.2}, "constant": {"mean": 1.05}}},
+    }
+    mup = {"at": {"constant": {"mean": 0.9}}}  # its inverse-width model did not run
+    line = mod.two_width_counts([(main, variant, mup)])
+    assert line == (
+        "within 2% of re-tuning, of 1 (of re-tuning judged on other seeds): FLeRM at b 1 (1); "
+        "inverse width 0 (0); constant 0 (1); muP at b 0 (1); muP, inverse width 0 (0); "
+        "muP, constant 1 (1)"
+    )
