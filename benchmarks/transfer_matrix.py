@@ -531,14 +531,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     two_width_rows: list[str] = []
     two_width_docs: list[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]] = []
     for name in [n for n in names if n in given]:
+        main_cell, mup = None, {}
+        if args.two_widths is not None:  # the reference: the main cell's re-tuning, read only
+            main_cell = adaptive_cell(cells[name], args.out / name, train=False, refine=True)
+            mup = two_widths(name, None, given[name])
         for variant in args.variant:
             done = variant_cell(name, variant, given[name])
-            if args.two_widths is not None:
-                main_cell = adaptive_cell(cells[name], args.out / name, train=False, refine=True)
-                if main_cell["tuned"] is not None:
-                    mup = two_widths(name, None, given[name])
-                    two_width_rows.append(two_width_row(f"{name} {variant}", main_cell, done, mup))
-                    two_width_docs.append((main_cell, done, mup))
+            if main_cell is not None and main_cell["tuned"] is not None:
+                two_width_rows.append(two_width_row(f"{name} {variant}", main_cell, done, mup))
+                two_width_docs.append((main_cell, done, mup))
             flerm = done["modes"].get("flerm")
             if flerm is not None:
                 at = flerm["at_tuned"]
@@ -562,10 +563,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if main_out["tuned"] is None:
             continue
         doc[name] = {"main": main_out, "variants": {}}
+        mup = {} if args.two_widths is None else two_widths(name, None, main_out["tuned"])
         for variant in args.variant:
             doc[name]["variants"][variant] = variant_cell(name, variant, main_out["tuned"])
             if args.two_widths is not None:
-                mup = two_widths(name, None, main_out["tuned"])
                 done = doc[name]["variants"][variant]
                 two_width_rows.append(two_width_row(f"{name} {variant}", main_out, done, mup))
                 two_width_docs.append((main_out, done, mup))

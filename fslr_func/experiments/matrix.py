@@ -424,13 +424,17 @@ def two_width_cell(
     for model, lr in rates.items():
         losses = _losses(runs, mode, top, lr, seeds)
         if losses is not None:
-            finite = all(map(math.isfinite, losses))
-            doc["at"][model] = {
-                "mean": _score(losses),
-                "sd": statistics.stdev(losses) if finite and len(losses) > 1 else 0.0,
-                "losses": losses,
-            }
+            doc["at"][model] = _spread(losses)
     return doc
+
+
+def _spread(losses: list[float] | None) -> dict[str, Any]:
+    """``{"mean", "sd", "losses"}`` of per-seed losses; mean ``None`` (and sd 0) unless every
+    seed ran and converged."""
+    if not losses or not all(map(math.isfinite, losses)):
+        return {"mean": None, "sd": 0.0, "losses": losses}
+    sd = statistics.stdev(losses) if len(losses) > 1 else 0.0
+    return {"mean": statistics.fmean(losses), "sd": sd, "losses": losses}
 
 
 def cell_summary(
@@ -471,7 +475,6 @@ def cell_summary(
     for m in modes:
         best, rates = best_rate(runs, m, top, seeds)
         at = _losses(runs, m, top, tuned, seeds)
-        finite = at is not None and all(math.isfinite(v) for v in at)
         fit = fitted_best(runs, m, top, seeds)
         entry: dict[str, Any] = {
             "best_lr": best,
@@ -480,11 +483,7 @@ def cell_summary(
             "best_loss": None if best is None else _score(_losses(runs, m, top, best, seeds) or []),
             "rates": rates,
             "edge": best is not None and best in (rates[0], rates[-1]) and len(rates) > 1,
-            "at_tuned": {
-                "mean": _score(at) if finite and at else None,
-                "sd": statistics.stdev(at) if finite and at and len(at) > 1 else 0.0,
-                "losses": at,
-            },
+            "at_tuned": _spread(at),
         }
         entry["at_tuned"]["test"] = _test(runs, m, top, tuned, seeds)
         entry["best_test"] = None if best is None else _test(runs, m, top, best, seeds)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -378,3 +379,35 @@ def test_two_width_counts_reads_both_references():
         "inverse width 0 (0); constant 0 (1); muP at b 0 (1); muP, inverse width 0 (0); "
         "muP, constant 1 (1)"
     )
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_matrix_script_two_widths_prints_the_table_and_counts(tmp_path, capsys, monkeypatch, given):
+    mod = load_script("benchmarks/transfer_matrix.py")
+    calls = []
+
+    def fake_cell(config, out, *, modes=("standard", "mup", "flerm"), tuned=None, **kw):
+        at = {"mean": 0.5, "sd": 0.0}
+        return {
+            "tuned": tuned or 2.0**-7,
+            "modes": {
+                "standard": {"best_loss": 0.5, "other_seeds_best": 0.5},
+                "mup": {"at_tuned": {"mean": 0.6}},
+                "flerm": {"shift": 0.0, "fit_shift": 0.1, "at_tuned": at, "best_loss": 0.5},
+            },
+        }
+
+    def fake_two(config, out, out_second, tuned, second, *, mode="flerm", **kw):
+        calls.append((mode, Path(out_second).parent.name, second))
+        return {"second_fit_shift": 0.2, "rates": {"constant": tuned * 2**0.2}, "at": {}}
+
+    monkeypatch.setattr(mod, "adaptive_cell", fake_cell)
+    monkeypatch.setattr(mod, "two_width_cell", fake_two)
+    args = ["--cells", "resmlp-w32-s150", "--variant", "feature", "--two-widths", "2"]
+    args += ["--base-rate", "resmlp-w32-s150=2^-7"] if given else []
+    assert mod.main([*args, "--out", str(tmp_path / "matrix")]) == 0
+    out = capsys.readouterr().out
+    # FLeRM's and muP's second width, in the sibling folder of the 2x cells
+    assert sorted(calls) == [("flerm", "matrix@2x", 2), ("mup", "matrix@2x", 2)]
+    assert "| resmlp-w32-s150 feature | 2^-7 | +0.20; +0.10 | 1.000 |" in out
+    assert "FLeRM at b 1 (1); inverse width 0 (0); constant 0 (0); muP at b 0 (0)" in out
