@@ -221,6 +221,8 @@ def width_extrapolated_shift(shift: float, second: float, top: float) -> float:
         >>> round(width_extrapolated_shift(0.4, 2, 8), 6)
         0.7
     """
+    if not (math.isfinite(shift) and math.isfinite(second) and math.isfinite(top)):
+        raise ValueError(f"shift and width multiples must be finite; got {shift}, {second}, {top}")
     if second <= 1 or top <= 1:
         raise ValueError(f"width multiples must exceed 1 (the base); got {second} and {top}")
     return shift * (1 - 1 / top) / (1 - 1 / second)
@@ -394,6 +396,8 @@ def two_width_cell(
         converged rate (or, with ``train=False``, has not run).
     """
     base, top, seeds = config.base_scale, config.scales[-1], config.seeds
+    if not (math.isfinite(tuned) and tuned > 0):
+        raise ValueError(f"the base's rate must be a positive finite number; got {tuned}")
     if not 1 < second < top / base:
         raise ValueError(
             f"the second width multiple must lie between the base's (1) and the top one "

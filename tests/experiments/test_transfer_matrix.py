@@ -212,6 +212,8 @@ def test_width_extrapolated_shift_decays_as_one_over_the_width():
     assert width_extrapolated_shift(-s2, 2, 4) == pytest.approx(-0.6)
     with pytest.raises(ValueError, match="must exceed 1"):
         width_extrapolated_shift(s2, 1, 8)
+    with pytest.raises(ValueError, match="must be finite"):
+        width_extrapolated_shift(math.nan, 2, 8)
 
 
 def test_two_width_cell_runs_the_top_width_at_the_extrapolated_rates(tmp_path):
@@ -235,6 +237,9 @@ def test_two_width_cell_runs_the_top_width_at_the_extrapolated_rates(tmp_path):
     assert math.log2(doc["rates"]["constant"] / tuned) == pytest.approx(s2, abs=0.005)
     for model in ("inverse_width", "constant"):
         assert math.isfinite(doc["at"][model]["mean"])
+    for rate in (0.0, -1e-3, math.inf, math.nan):
+        with pytest.raises(ValueError, match="positive finite"):
+            two_width_cell(config, tmp_path / "top", tmp_path / "bad", rate, 2, train=False)
     for bad in (1, 4, 8):  # the second width lies strictly between the base and the top
         with pytest.raises(ValueError, match="between the base's"):
             two_width_cell(config, tmp_path / "top", tmp_path / "bad", tuned, bad, train=False)
