@@ -356,55 +356,68 @@ TWO_WIDTH_HEADER = (
 )
 
 
+def _two_width_columns(
+    main: Mapping[str, Any], variant: Mapping[str, Any], mup: Mapping[str, Any]
+) -> dict[str, tuple[float | None, float | None]]:
+    """The two-width read-out's columns of one row, in order: label -> (the rate, ``None``
+    at b or where a model did not run; the seed-mean loss at 8x) for FLeRM (the variant) and
+    muP at b and at each model's rate; ``variant["two_widths"]`` and ``mup`` are
+    :func:`~fslr_func.experiments.matrix.two_width_cell`'s read-outs."""
+    two = variant.get("two_widths", {})
+
+    def at_b(modes: Mapping[str, Any], mode: str) -> tuple[None, float | None]:
+        return None, modes.get(mode, {}).get("at_tuned", {}).get("mean")
+
+    def model(doc: Mapping[str, Any], key: str) -> tuple[float | None, float | None]:
+        return doc.get("rates", {}).get(key), doc.get("at", {}).get(key, {}).get("mean")
+
+    return {
+        "FLeRM at b": at_b(variant["modes"], "flerm"),
+        "inverse width": model(two, "inverse_width"),
+        "constant": model(two, "constant"),
+        "muP at b": at_b(main["modes"], "mup"),
+        "muP, inverse width": model(mup, "inverse_width"),
+        "muP, constant": model(mup, "constant"),
+    }
+
+
 def two_width_row(
     name: str, main: Mapping[str, Any], variant: Mapping[str, Any], mup: Mapping[str, Any]
 ) -> str:
     """One row of the two-width read-out: the variant's fitted shift at the second width and
-    at the top one; its loss and muP's over re-tuned standard training's best, at b and at
-    each model's extrapolated rate (:func:`~fslr_func.experiments.matrix.two_width_cell`;
-    ``variant["two_widths"]`` and ``mup`` are its read-outs)."""
+    at the top one; then each of :func:`_two_width_columns` over re-tuned standard
+    training's best (at a model's rate, its shift from b first)."""
     std_best = main["modes"]["standard"].get("best_loss")
     tuned = variant["tuned"]
 
-    def ratio(mean: float | None) -> str:
-        return _fmt(mean / std_best if mean is not None and std_best else None)
-
-    def model(two: Mapping[str, Any], key: str) -> str:
-        lr, at = two.get("rates", {}).get(key), two.get("at", {}).get(key, {})
-        shift = "-" if lr is None else f"{math.log2(lr / tuned):+.2f}"
-        return f"{shift}; {ratio(at.get('mean'))}"
+    def cell(label: str, lr: float | None, mean: float | None) -> str:
+        ratio = _fmt(mean / std_best if mean is not None and std_best else None)
+        if label.endswith("at b"):
+            return ratio
+        return f"{'-' if lr is None else format(math.log2(lr / tuned), '+.2f')}; {ratio}"
 
     two = variant.get("two_widths", {})
     s2, s8 = two.get("second_fit_shift"), variant["modes"].get("flerm", {}).get("fit_shift")
-    at_b = variant["modes"].get("flerm", {}).get("at_tuned", {}).get("mean")
-    mup_at_b = main["modes"].get("mup", {}).get("at_tuned", {}).get("mean")
+    columns = _two_width_columns(main, variant, mup)
+    cells = [cell(label, lr, mean) for label, (lr, mean) in columns.items()]
     return (
         f"| {name} | 2^{round(math.log2(tuned), 2):g} | {_fmt(s2, '+.2f')}; {_fmt(s8, '+.2f')} | "
-        f"{ratio(at_b)} | {model(two, 'inverse_width')} | {model(two, 'constant')} | "
-        f"{ratio(mup_at_b)} | {model(mup, 'inverse_width')} | {model(mup, 'constant')} |"
+        + " | ".join(cells)
+        + " |"
     )
 
 
 def two_width_counts(
     docs: Sequence[tuple[Mapping[str, Any], Mapping[str, Any], Mapping[str, Any]]],
 ) -> str:
-    """How many rows of the two-width read-out are within 2% of re-tuning, for FLeRM (the
-    variant) and muP at b and at each model's rate: against re-tuning's best seed mean, and
-    against re-tuning judged on seeds it was not chosen on (``other_seeds_best``); ``docs``
-    holds (main read-out, variant read-out, muP's two-width read-out) per row."""
+    """How many rows of the two-width read-out are within 2% of re-tuning, per column of
+    :func:`_two_width_columns`: against re-tuning's best seed mean, and against re-tuning
+    judged on seeds it was not chosen on (``other_seeds_best``); ``docs`` holds (main
+    read-out, variant read-out, muP's two-width read-out) per row."""
     columns: dict[str, list[tuple[float | None, Mapping[str, Any]]]] = {}
     for main, variant, mup in docs:
         std = main["modes"]["standard"]
-        two = variant.get("two_widths", {})
-        means = {
-            "FLeRM at b": variant["modes"].get("flerm", {}).get("at_tuned", {}).get("mean"),
-            "inverse width": two.get("at", {}).get("inverse_width", {}).get("mean"),
-            "constant": two.get("at", {}).get("constant", {}).get("mean"),
-            "muP at b": main["modes"].get("mup", {}).get("at_tuned", {}).get("mean"),
-            "muP, inverse width": mup.get("at", {}).get("inverse_width", {}).get("mean"),
-            "muP, constant": mup.get("at", {}).get("constant", {}).get("mean"),
-        }
-        for label, mean in means.items():
+        for label, (_, mean) in _two_width_columns(main, variant, mup).items():
             columns.setdefault(label, []).append((mean, std))
 
     def within(label: str, ref: str) -> int:

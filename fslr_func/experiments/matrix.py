@@ -189,15 +189,28 @@ def fitted_best(
         >>> fitted_best(runs, "flerm", 2.0, 1)
         -6.25
     """
-    best, rates = best_rate(runs, mode, scale, seeds)
+    return _fitted(runs, mode, scale, seeds, *best_rate(runs, mode, scale, seeds))
+
+
+def _fitted(
+    runs: Mapping[str, Mapping[str, Any]],
+    mode: str,
+    scale: float,
+    seeds: int,
+    best: float | None,
+    rates: Sequence[float],
+) -> float | None:
+    """:func:`fitted_best` from :func:`best_rate`'s ``(best, rates)``, already at hand."""
     if best is None:
         return None
     i = rates.index(best)
     x1 = math.log2(best)
     if i == 0 or i == len(rates) - 1:
         return x1
-    points = [(math.log2(lr), _score(_losses(runs, mode, scale, lr, seeds) or [])) for lr in rates]
-    (x0, y0), (_, y1), (x2, y2) = points[i - 1 : i + 2]
+    (x0, y0), (_, y1), (x2, y2) = (
+        (math.log2(lr), _score(_losses(runs, mode, scale, lr, seeds) or []))
+        for lr in rates[i - 1 : i + 2]
+    )
     if not (math.isfinite(y0) and math.isfinite(y2)):
         return x1
     # the vertex of the parabola through three points (Numerical Recipes' parabolic step)
@@ -479,7 +492,7 @@ def cell_summary(
     for m in modes:
         best, rates = best_rate(runs, m, top, seeds)
         at = _losses(runs, m, top, tuned, seeds)
-        fit = fitted_best(runs, m, top, seeds)
+        fit = _fitted(runs, m, top, seeds, best, rates)
         entry: dict[str, Any] = {
             "best_lr": best,
             "shift": None if best is None else round(math.log2(best / tuned), 6),
