@@ -14,17 +14,20 @@ for both, once:
 - the options, validated at construction (:func:`optimizers_of`, :func:`check_scheduler`,
   :func:`check_log_fn`), and saved with the state, which :func:`check_state` compares on load;
 - the two forms of use, ``with controller.step(): optimizer.step()`` and
-  ``controller.attach()`` (the optimiser's step hooks, :mod:`fslr_func.training.step_hooks`);
+  ``controller.attach()`` (the optimiser's step hooks, :mod:`fslr_func.training.step_hooks`),
+  which count the same steps: a step a ``GradScaler`` skips is no step in either;
 - the steps that cannot be measured, which are waited out: a probed step at which every
-  learning rate is 0 (a warm-up from 0) or at which no parameter changed (a step skipped by a
-  ``GradScaler``) owes its probes to the next step, with a note the first time; a *stall*,
+  learning rate is 0 (a warm-up from 0) or at which no parameter changed (no gradients, a
+  skipped step) owes its probes to the next step, drawn again on the same probe batches and
+  omegas, with a note the first time; a *stall*,
   probes owed for :meth:`StepController.stall_after` consecutive steps (the larger of 50 steps
   and 5 probe intervals), warns once per stall, again after the run recovered and stalled anew;
 - warnings given once per cause, and the step counter and probe-batch count of the state.
 
-A subclass says what happens around the step through four hooks: :meth:`_prepare` (before,
+A subclass says what happens around the step through five hooks: :meth:`_prepare` (before,
 every step), :meth:`_plain` (a context around an unprobed step), :meth:`_measured` (after a
-probed step that moved the weights) and :meth:`_finish` (after, every step).
+probed step that moved the weights), :meth:`_finish` (after, every step) and
+:meth:`_abandon` (in its place after a ``with`` block whose step was skipped).
 
 Examples:
     >>> import torch, fslr_func as ff
@@ -57,7 +60,7 @@ from ..probe.functional import Inputs
 from ..probe.names import short_list, unwrapped
 from .probe_schedule import ProbeFeed, ProbePlan
 from .rates import rates_in_force
-from .step_hooks import StepHooks, unwrap_optimizer, unwrap_scheduler
+from .step_hooks import StepHooks, StepWatch, unwrap_optimizer, unwrap_scheduler
 from .wrapper import FSLRModule, Measurement
 
 __all__ = [
@@ -293,6 +296,7 @@ class StepController:
         self.t = 0
         self._owed = 0
         self._stalled_since: int | None = None  # first step of the current run of deferrals
+        self._stall_steps = 0  # its length in steps (a skipped step too)
         self._stall_noted = False
         self._hooks: StepHooks | None = None
         self._noted: set[str] = set()
@@ -335,12 +339,17 @@ class StepController:
                 f"this {self.kind} is attached already: call .detach() on the hooks the first "
                 "attach() returned before attaching again"
             )
-        self._hooks = StepHooks(self.step, self.optimizers)
+        self._hooks = StepHooks(self._hooked_round, self.optimizers)
         return self._hooks
 
-    @contextlib.contextmanager
-    def step(self, optimizer: torch.optim.Optimizer | None = None) -> Iterator[Measurement | None]:
+    def step(
+        self, optimizer: torch.optim.Optimizer | None = None
+    ) -> contextlib.AbstractContextManager[Measurement | None]:
         """Context manager around one ``optimizer.step()`` (nothing else in the block).
+
+        A block whose step a ``GradScaler`` skipped (non-finite gradients) is no step, as in
+        :meth:`attach`'s hooks form: ``t`` stays, FLeRM's rates are put back, a probe due moves
+        to the next step (:class:`~fslr_func.training.step_hooks.StepWatch` tells).
 
         Args:
             optimizer: the optimiser stepped in the block; default: the one(s) given at
@@ -353,26 +362,51 @@ class StepController:
         Raises:
             ValueError: no optimiser here or at construction, or another one than that.
         """
-        optimizers = self._stepped(optimizer)
-        self._prepare(optimizers)
-        n = max(self.plan.probes_at(self.t), self._owed)
-        if n and not any(v for o in optimizers for v in rates_in_force(self.fm.module, o).values()):
-            self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
-            n = 0
-        if n:
-            with self.fm.measure(optimizers, self._feed.take(n), step=self.t) as m:
-                yield m
-            if m.moved:
-                self._owed = 0
-                self._stalled_since, self._stall_noted = None, False
-                self._measured(m)
+        return self._round(self._stepped(optimizer), watched=True)
+
+    def _hooked_round(self) -> contextlib.AbstractContextManager[Measurement | None]:
+        """:meth:`step` for :class:`StepHooks`, which enters it only for steps that ran."""
+        return self._round(self.optimizers, watched=False)
+
+    @contextlib.contextmanager
+    def _round(
+        self, optimizers: list[torch.optim.Optimizer], *, watched: bool
+    ) -> Iterator[Measurement | None]:
+        """One step, probed or not; ``watched``: a ``with`` block, which is no step if the
+        optimiser skipped its step and nothing moved."""
+        watch = StepWatch(optimizers, getattr(self.fm, "group", None)) if watched else None
+        with watch if watch is not None else contextlib.nullcontext():
+            self._prepare(optimizers)
+            n = max(self.plan.probes_at(self.t), self._owed)
+            if n and not any(
+                v for o in optimizers for v in rates_in_force(self.fm.module, o).values()
+            ):
+                self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
+                n = 0
+            moved = False
+            if n:
+                batches, probe_state = self._feed.take(n), _ProbeState(self.fm)
+                with self.fm.measure(optimizers, batches, step=self.t) as m:
+                    yield m
+                moved = bool(m.moved)
             else:
-                self._defer(n, _unchanged_reason(m))
+                with self._plain():
+                    yield None
+            skip = not moved and watch is not None and watch.skipped()
+        if n and moved:
+            self._owed = 0
+            self._stalled_since, self._stall_steps, self._stall_noted = None, 0, False
+            self._measured(m)
+        elif n:
+            # the next step measured is probed on these batches, with these omegas
+            self._feed.give_back(batches)
+            probe_state.restore()
+            self._defer(n, _SKIPPED if skip else _unchanged_reason(m))
+        if skip:
+            self._abandon()
         else:
-            with self._plain():
-                yield None
-        self._finish()
-        self.t += 1
+            self._finish()
+            self.t += 1
 
     # ------------------------------------------------------------------ hooks of a subclass
 
@@ -388,6 +422,10 @@ class StepController:
 
     def _finish(self) -> None:
         """After every step, probed or not (default: nothing)."""
+
+    def _abandon(self) -> None:
+        """After a ``with`` block whose step a ``GradScaler`` skipped, in :meth:`_finish`'s
+        place: ``t`` is not advanced (default: nothing)."""
 
     # ------------------------------------------------------------------ shared behaviour
 
@@ -432,7 +470,8 @@ class StepController:
         self._note(why, self.deferral.format(kind=self.kind, t=self.t, why=why))
         if self._stalled_since is None:
             self._stalled_since = self.t
-        length = self.t - self._stalled_since + 1
+        self._stall_steps += 1
+        length = self._stall_steps
         if length >= self.stall_after and not self._stall_noted:
             self._stall_noted = True
             warnings.warn(
@@ -470,6 +509,7 @@ class StepController:
             "t": self.t,
             "owed": self._owed,
             "stalled_since": self._stalled_since,
+            "stall_steps": self._stall_steps,
             "stall_noted": self._stall_noted,
             "probes_used": self._feed.used,
             "noted": sorted(self._noted),
@@ -492,6 +532,8 @@ class StepController:
         self._owed = int(state.get("owed", 0))
         since = state.get("stalled_since")
         self._stalled_since = None if since is None else int(since)
+        # (a state saved without it: the stall's length in counted steps)
+        self._stall_steps = int(state.get("stall_steps", 0 if since is None else self.t - since))
         self._stall_noted = bool(state.get("stall_noted", False))
         self._noted = set(state.get("noted", state.get("warned", ())))
         self._feed.skip(int(state["probes_used"]))
@@ -502,6 +544,28 @@ class StepController:
 
     def _load_own_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`_own_state` (checked before anything is changed)."""
+
+
+class _ProbeState:
+    """What probing a step that did not move changes in ``fm`` for nothing: its omega
+    generators' states and its probe count (the EMAs keep the tensors that did not move)."""
+
+    def __init__(self, fm: FSLRModule) -> None:
+        self._fm = fm
+        self._probes = fm.probes
+        self._generators = {k: g.get_state() for k, g in fm.generators.items()}
+
+    def restore(self) -> None:
+        fm = self._fm
+        fm.probes = self._probes
+        for key in list(fm.generators):
+            if key in self._generators:
+                fm.generators[key].set_state(self._generators[key])
+            else:  # first drawn from at this step: seeded again at the next
+                del fm.generators[key]
+
+
+_SKIPPED = "the optimiser skipped its step (a GradScaler found inf or NaN gradients)"
 
 
 def _unchanged_reason(m: Measurement) -> str:

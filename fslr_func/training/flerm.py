@@ -452,8 +452,7 @@ class FLeRM(StepController):
         self._before = dict(m.before)
 
     def _finish(self) -> None:
-        self.scaler.end(self.targets.params, self._rates, self._before)
-        self._before = {}
+        self._abandon()
         if self._point is not None:
             self.history.append(self._point)
         if self.log_fn is not None:
@@ -461,6 +460,11 @@ class FLeRM(StepController):
             if self._point is not None:
                 scalars.update({f"fslr/{k}": v for k, v in self._point.fslr.items()})
             self.log_fn(self.t, scalars)
+
+    def _abandon(self) -> None:
+        # a skipped step: its (zero) update scaled, the step closed; nothing logged
+        self.scaler.end(self.targets.params, self._rates, self._before)
+        self._before = {}
 
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         targets = self.targets.at(step, self.names, self._note_each)

@@ -107,6 +107,9 @@ class ProbeFeed:
         >>> again.skip(3)
         >>> again.take(2)
         [3, 4]
+        >>> again.give_back([3, 4])  # not measured (a skipped step): handed out again
+        >>> again.used, again.take(3)
+        (3, [3, 4, 5])
     """
 
     def __init__(self, batches: Iterable[Inputs]) -> None:
@@ -131,13 +134,21 @@ class ProbeFeed:
         self._it: Iterator[Inputs] | None = None
         self._pending = 0
         self._noted = False
+        self._returned: list[Inputs] = []
         self.used = 0
 
     def skip(self, used: int) -> None:
         """Resume after ``used`` batches: they are discarded from a fresh iterator at next draw."""
         self._it = None
+        self._returned = []
         self._pending = used
         self.used = used
+
+    def give_back(self, batches: list[Inputs]) -> None:
+        """Batches of a step that was not measured: the next :meth:`take` hands them out
+        first, and they are not counted as used (a resume draws them again)."""
+        self._returned = batches + self._returned
+        self.used -= len(batches)
 
     def take(self, n: int) -> list[Inputs]:
         """The next ``n`` probe batches.
@@ -145,6 +156,10 @@ class ProbeFeed:
         Raises:
             ValueError: a one-shot iterator ran out, or a re-iterable yields nothing.
         """
+        if self._returned:
+            out, self._returned = self._returned[:n], self._returned[n:]
+            self.used += len(out)
+            return out + self.take(n - len(out)) if len(out) < n else out
         with torch.random.fork_rng(devices=[]):
             if self._it is None:
                 self._it = iter(self._source)

@@ -13,7 +13,8 @@ A step a ``GradScaler`` skips (gradients not finite) is no step here, whatever t
 a for-loop or ``foreach`` optimiser's skipped step calls no hook, and a fused one's, which the
 scaler runs with ``optimizer.found_inf`` set so that the kernel leaves weights and state as
 they were, is recognised from that flag in its pre-hook and passed over (its post-hook too).
-Both kinds of optimiser therefore count the same steps.
+Both kinds of optimiser therefore count the same steps. The ``with controller.step():`` form
+counts the same steps through :class:`StepWatch`, which watches the block's optimisers.
 
 A step of several optimisers (Muon on the matrices, AdamW on the rest) is one *round*: the
 context manager is entered at the first optimiser's pre-hook and exited once every optimiser
@@ -50,8 +51,11 @@ from types import TracebackType
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-__all__ = ["StepAborted", "StepHooks", "unwrap_optimizer", "unwrap_scheduler"]
+from ..probe.functional import is_dtensor
+
+__all__ = ["StepAborted", "StepHooks", "StepWatch", "unwrap_optimizer", "unwrap_scheduler"]
 
 
 class StepAborted(RuntimeError):
@@ -224,3 +228,107 @@ class StepHooks:
         tb: TracebackType | None,
     ) -> None:
         self.detach()
+
+
+class StepWatch:
+    """Whether the optimiser steps of one ``with controller.step():`` block were skipped.
+
+    The ``with`` form sees the block, not the step inside it; a step a ``GradScaler`` skips
+    must still be no step there, as in the hooks form (:class:`StepHooks`). For the block's
+    duration a pre- and a post-hook watch its optimisers, and on exit :meth:`skipped` says
+    whether no optimiser stepped and a ``GradScaler`` skip is the reason:
+
+    - a fused optimiser's skipped step runs its hooks with ``optimizer.found_inf`` set;
+    - a for-loop or ``foreach`` optimiser's skipped step runs no hook at all, and the
+      gradients it was not stepped on are not finite (the scaler skips for that reason
+      alone). They are read from the gradients present when the block was entered, so a
+      ``zero_grad()`` inside the block changes nothing; with FSDP2's sharded gradients the
+      ranks agree on the answer with one all-reduce.
+
+    A block in which no step ran and every gradient is finite (the weights were updated by
+    hand, or ``optimizer.step()`` was not called) is not a skip: it counts, as before.
+
+    Args:
+        optimizers: the block's optimisers.
+        group: the process group over which FSDP2 ranks agree (``None``: the default group).
+
+    Examples:
+        >>> w = torch.nn.Parameter(torch.ones(2))
+        >>> opt = torch.optim.SGD([w], lr=0.1)
+        >>> w.grad = torch.tensor([1.0, float("inf")])
+        >>> with StepWatch([opt]) as watch:
+        ...     pass  # scaler.step(opt) with this gradient does not call opt.step()
+        >>> watch.skipped()
+        True
+        >>> w.grad = torch.ones(2)
+        >>> with StepWatch([opt]) as watch:
+        ...     opt.step()
+        >>> watch.skipped()
+        False
+    """
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer], group: Any = None) -> None:
+        self._group = group
+        self._grads = [p.grad for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        self._called = self._ran = self._flagged = False
+        self._handles = [
+            h
+            for opt in optimizers
+            for h in (
+                opt.register_step_pre_hook(self._pre),
+                opt.register_step_post_hook(self._post),
+            )
+        ]
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._called = True
+        self._flagged = _skipped_by_scaler(optimizer)
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self._ran = self._ran or not self._flagged
+
+    def skipped(self) -> bool:
+        """Whether no optimiser stepped because a ``GradScaler`` skipped the step."""
+        if self._ran:
+            return False
+        if self._called:
+            return self._flagged
+        return _any_not_finite([g for g in self._grads if g is not None], self._group)
+
+    def close(self) -> None:
+        """Remove the hooks (:meth:`skipped` still answers)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def __enter__(self) -> StepWatch:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def _any_not_finite(grads: Sequence[torch.Tensor], group: Any) -> bool:
+    """Whether any of ``grads`` holds an inf or a NaN (across the ranks, for DTensor shards).
+
+    Examples:
+        >>> _any_not_finite([torch.ones(2), torch.tensor([float("nan")])], None)
+        True
+        >>> _any_not_finite([], None)
+        False
+    """
+    sharded = any(is_dtensor(g) for g in grads)
+    local = [g.to_local() if is_dtensor(g) else g for g in grads]  # type: ignore[attr-defined]
+    flags = [torch.logical_not(torch.isfinite(g).all()) for g in local if g.numel()]
+    if not sharded:
+        return any(bool(f) for f in flags)  # (only read when no step ran: rare)
+    device = local[0].device
+    flag = torch.stack([f.to(device) for f in flags]).any() if flags else torch.tensor(False)
+    flag = flag.to(device=device, dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())

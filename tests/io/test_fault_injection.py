@@ -50,8 +50,8 @@ def test_record_and_flerm_survive_a_nan_probe_a_skipped_step_and_kill_9(tmp_path
         reference = fault.run("record", undisturbed)
     messages = " ".join(str(w.message) for w in caught)
     # Probe batches: 2 of warm-up at step 0, then one per probe step; the skipped step 40 drew
-    # one before finding that nothing moved, and step 41 the next, so batch 7 meets step 50.
-    nan_step = 50
+    # one before finding that nothing moved and gave it back to step 41, so batch 7 meets 60.
+    nan_step = 60
     assert f"step {nan_step}" in messages and "not finite" in messages
     assert f"step {fault.SKIPPED_STEP} is not measured" in messages
     record = reference.record

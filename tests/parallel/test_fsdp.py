@@ -192,6 +192,16 @@ def _record(rank: int | None) -> ff.FSLRRecord:
         x, y = _train_batch(step, rank)
         opt.zero_grad()
         nn.functional.cross_entropy(fm(x), y).backward()
+        if step == 1:  # a block whose step a GradScaler skips: an inf in rank 0's shard only
+            grad = model[0].weight.grad
+            local = grad.to_local() if is_dtensor(grad) else grad
+            kept = local[0, 0].item()
+            if rank in (None, 0):
+                local[0, 0] = float("inf")
+            with recorder.step(opt):
+                pass  # the scaler does not call opt.step(); every rank agrees it was skipped
+            assert recorder.t == 1
+            local[0, 0] = kept
         with recorder.step(opt):
             opt.step()
     return recorder.record

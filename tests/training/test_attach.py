@@ -3,6 +3,7 @@ detaching (also after an exception), several optimisers, wrapped optimisers, LBF
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -178,11 +179,15 @@ def test_wrapped_optimiser_is_unwrapped_and_lbfgs_is_refused() -> None:
         StepHooks(lambda: _nothing(), [])  # type: ignore[arg-type,return-value]
 
 
+@pytest.mark.parametrize("form", ["hooks", "with"])
 @pytest.mark.parametrize("kind", ["Recorder", "FLeRM"])
-def test_a_scaler_skipped_step_counts_the_same_for_fused_and_foreach_optimisers(kind: str) -> None:
+def test_a_scaler_skipped_step_counts_the_same_for_fused_and_foreach_optimisers(
+    kind: str, form: str
+) -> None:
     """A ``GradScaler`` skips steps 1 and 3 (non-finite gradients): a ``foreach`` optimiser
-    then calls no hook, a fused one is called with ``found_inf`` set; attached, both count the
-    three steps taken, and record or set the same rates at them."""
+    then calls no hook, a fused one is called with ``found_inf`` set; attached or around each
+    step in a ``with`` block, both count the three steps taken, and record or set the same
+    rates at them. Step 1 is a probed step: its probe moves to the next step taken."""
     base = base_record() if kind == "FLeRM" else None
     results = []
     for fused in (False, True):
@@ -194,7 +199,10 @@ def test_a_scaler_skipped_step_counts_the_same_for_fused_and_foreach_optimisers(
             else ff.FLeRM(fm, opt, base, probe_batches=stream(3), warmup_samples=8)
         )
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
-        with controller.attach():
+        hooks = controller.attach() if form == "hooks" else contextlib.nullcontext()
+        noted = form == "with" and base is None  # the with form's probed step 1 is skipped
+        note = pytest.warns(RuntimeWarning, match="skipped its step") if noted else _nothing()
+        with hooks, note:
             for t in range(5):
                 opt.zero_grad()
                 x = torch.randn(
@@ -202,7 +210,8 @@ def test_a_scaler_skipped_step_counts_the_same_for_fused_and_foreach_optimisers(
                 )
                 loss = fm(x).square().mean() * (torch.inf if t in (1, 3) else 1.0)
                 scaler.scale(loss).backward()
-                scaler.step(opt)
+                with controller.step() if form == "with" else contextlib.nullcontext():
+                    scaler.step(opt)
                 scaler.update()
         assert controller.t == 3, (fused, controller.t)
         results.append(
@@ -217,3 +226,66 @@ def test_a_scaler_skipped_step_counts_the_same_for_fused_and_foreach_optimisers(
     else:
         assert foreach.keys() == fused_result.keys()
         assert all(foreach[k] == pytest.approx(fused_result[k], rel=1e-9) for k in foreach)
+
+
+def _scaled_run(form: str, skip: set[int], steps: int = 6) -> tuple[ff.FLeRM, list[torch.Tensor]]:
+    """FLeRM on a float32 model under bfloat16 autocast, a fused AdamW and a ``GradScaler``
+    whose steps in ``skip`` see an inf loss; driven by its hooks or by ``with`` blocks."""
+    base = base_record()
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
+    fm = ff.with_fslr(net, samples=4, seed=1, strategy="loop")
+    opt = torch.optim.AdamW(fm.parameters(), lr=1e-2, fused=True)
+    probes = (x.float() for x in stream(3))
+    flerm = ff.FLeRM(fm, opt, base, probe_batches=probes, warmup_samples=8, mode="periodic")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    with flerm.attach() if form == "hooks" else contextlib.nullcontext():
+        for t in range(steps):
+            opt.zero_grad()
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = fm(x).float().square().mean() * (torch.inf if t in skip else 1.0)
+            scaler.scale(loss).backward()
+            with flerm.step() if form == "with" else contextlib.nullcontext():
+                scaler.step(opt)
+            scaler.update()
+    return flerm, [p.detach().clone() for p in fm.parameters()]
+
+
+def test_with_form_and_hooks_count_the_same_steps_under_bf16_a_fused_optimiser_and_a_scaler() -> (
+    None
+):
+    """Steps 0 (FLeRM's first set point) and 3 are skipped: both forms take four steps, set
+    the same rates and end with the same weights."""
+    with pytest.warns(RuntimeWarning, match="skipped its step"):
+        with_form, with_weights = _scaled_run("with", {0, 3})
+    hooks, hooks_weights = _scaled_run("hooks", {0, 3})
+    assert with_form.t == hooks.t == 4
+    assert [p.step for p in with_form.history] == [p.step for p in hooks.history] == [0]
+    assert with_form.lrs() == hooks.lrs()
+    assert all(torch.equal(a, b) for a, b in zip(with_weights, hooks_weights, strict=True))
+
+
+def test_a_with_block_is_a_skipped_step_only_when_the_scaler_skipped() -> None:
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=None)
+    backward(fm, 0)
+    with rec.step(), torch.no_grad():  # updated by hand, no optimizer.step(): counted
+        for p in fm.parameters():
+            p.sub_(1e-2 * p.grad)  # type: ignore[operator]
+    assert rec.t == 1 and rec.record.steps == [0]
+    scaler = torch.amp.GradScaler("cpu")
+    for counted in (1, 2):
+        opt.zero_grad()
+        scaler.scale(fm(next(stream())).sum() * torch.inf).backward()
+        with rec.step():
+            scaler.step(opt)  # skipped: a foreach optimiser is not called
+            opt.zero_grad()  # the gradients read are those the block began with
+        scaler.update()
+        assert rec.t == counted
+        opt.zero_grad()
+        backward(fm, counted)
+        with rec.step():
+            opt.step()
+        assert rec.t == 1 + counted

@@ -317,3 +317,32 @@ def test_flerm_stall_waits_for_five_probe_intervals() -> None:
     assert flerm.stall_after == 100  # 5 x every=20 > 50
     warned = _stall_warnings(flerm, fm, opt, range(130), frozen=range(5, 200))
     assert [t for t, _ in warned] == [119]  # owed from the set point at 20
+
+
+def test_blocks_a_scaler_skips_are_no_steps_but_a_stall_of_them_warns() -> None:
+    """``with rec.step(): scaler.step(opt)`` with gradients that are never finite: ``t`` stays
+    at 0, and the 50th skipped block in a row warns; the stall's length survives a resume."""
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=4, every=2)
+    scaler = torch.amp.GradScaler("cpu")
+    warned = []
+    for block in range(60):
+        opt.zero_grad()
+        scaler.scale(fm(next(stream())).sum() * torch.inf).backward()
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with rec.step():
+                scaler.step(opt)
+        scaler.update()
+        warned += [block for w in seen if "no step has been measured" in str(w.message)]
+    assert rec.t == 0 and rec.record.steps == [] and warned == [49]
+    state = rec.state_dict()
+    assert state["stall_steps"] == 60 and state["stalled_since"] == 0
+    assert rec.probes_used == 0  # each skipped block gave its probe batch back
+    again = Recorder(model(), stream(), optimizer=opt, warmup_samples=4, every=2)
+    again.load_state_dict(state)
+    assert again.state_dict()["stall_steps"] == 60
+    del state["stall_steps"]  # a state saved before it was kept: counted from the steps
+    again.load_state_dict(state)
+    assert again.state_dict()["stall_steps"] == 0
