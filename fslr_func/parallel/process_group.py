@@ -17,7 +17,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["ProcessGroup", "broadcast_seed", "collective_device", "rank_and_size"]
+__all__ = [
+    "ProcessGroup",
+    "broadcast_seed",
+    "collective_device",
+    "raise_if_any_rank_failed",
+    "rank_and_size",
+]
 
 ProcessGroup = Any
 """A ``torch.distributed.ProcessGroup``, or ``None`` for the default group."""
@@ -52,3 +58,33 @@ def broadcast_seed(seed: int | None, group: ProcessGroup = None) -> int:
     t = torch.tensor([seed], dtype=torch.int64, device=collective_device(group))
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(t.item())
+
+
+def raise_if_any_rank_failed(reason: str | None, what: str, fix: str, group: ProcessGroup) -> None:
+    """Every rank learns whether a rank failed at this point, and all raise the same error.
+
+    A rank that fails alone where the others go on into a collective leaves them waiting until
+    the group's timeout. Each rank calls this at the same point instead, with ``reason`` its
+    failure (``None``: it did not fail): one ``all_gather`` of a flag, and the reasons
+    gathered only on a failure.
+
+    Args:
+        reason: why this rank failed, or ``None``.
+        what: what failed, for the message ("drawing the probe batches").
+        fix: what to do, for the message.
+        group: the process group.
+
+    Raises:
+        ValueError: on every rank, if any rank failed; it names the failed ranks and reasons.
+    """
+    _, world = rank_and_size(group)
+    flag = torch.tensor([reason is not None], dtype=torch.int64, device=collective_device(group))
+    flags = [torch.zeros_like(flag) for _ in range(world)]
+    dist.all_gather(flags, flag, group=group)
+    failed = [i for i, f in enumerate(flags) if int(f.item())]
+    if not failed:
+        return
+    reasons: list[str | None] = [None] * world
+    dist.all_gather_object(reasons, reason, group=group)
+    why = "; ".join(f"rank {i}: {reasons[i]}" for i in failed)
+    raise ValueError(f"{what} failed on rank(s) {failed} ({why}): every rank stops here; {fix}")

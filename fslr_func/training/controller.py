@@ -56,6 +56,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..parallel.process_group import raise_if_any_rank_failed
 from ..probe.functional import Inputs
 from ..probe.names import short_list, unwrapped
 from .probe_schedule import ProbeFeed, ProbePlan
@@ -385,7 +386,7 @@ class StepController:
                 n = 0
             moved = False
             if n:
-                batches, probe_state = self._feed.take(n), _ProbeState(self.fm)
+                batches, probe_state = self._take(n), _ProbeState(self.fm)
                 with self.fm.measure(optimizers, batches, step=self.t) as m:
                     yield m
                 moved = bool(m.moved)
@@ -428,6 +429,27 @@ class StepController:
         place: ``t`` is not advanced (default: nothing)."""
 
     # ------------------------------------------------------------------ shared behaviour
+
+    def _take(self, n: int) -> list[Inputs]:
+        """The step's ``n`` probe batches. Under a distributed wrapper every rank learns
+        whether one rank's feed ran out, and all raise, instead of the others waiting in the
+        probe's collectives for the group's timeout."""
+        if not getattr(self.fm, "distributed", False):
+            return self._feed.take(n)
+        batches: list[Inputs] = []
+        reason = None
+        try:
+            batches = self._feed.take(n)
+        except ValueError as err:
+            reason = str(err)
+        raise_if_any_rank_failed(
+            reason,
+            f"{self.kind}: drawing step {self.t}'s probe batches",
+            "hand every rank an endless iterator or a re-iterable (a DataLoader with a "
+            "DistributedSampler) with the same number of probe batches",
+            getattr(self.fm, "group", None),
+        )
+        return batches
 
     def _stepped(self, given: torch.optim.Optimizer | None) -> list[torch.optim.Optimizer]:
         """The optimisers of this step: the given one (which must be one of the controller's,

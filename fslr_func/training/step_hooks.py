@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..parallel.process_group import collective_device
 from ..probe.functional import is_dtensor
 
 __all__ = ["StepAborted", "StepHooks", "StepWatch", "unwrap_optimizer", "unwrap_scheduler"]
@@ -327,8 +328,7 @@ def _any_not_finite(grads: Sequence[torch.Tensor], group: Any) -> bool:
     flags = [torch.logical_not(torch.isfinite(g).all()) for g in local if g.numel()]
     if not sharded:
         return any(bool(f) for f in flags)  # (only read when no step ran: rare)
-    device = local[0].device
-    flag = torch.stack([f.to(device) for f in flags]).any() if flags else torch.tensor(False)
-    flag = flag.to(device=device, dtype=torch.int32)
+    device = collective_device(group)
+    flag = torch.tensor(any(bool(f) for f in flags), dtype=torch.int32, device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())

@@ -290,7 +290,34 @@ def _check_flerm(rank: int) -> None:
     _assert_same_on_all_ranks({n: p.detach().sum() for n, p in wide.named_parameters()})
 
 
+def _check_probe_feed_running_out_on_one_rank(rank: int) -> None:
+    """Rank 1's one-shot probe iterator runs out at step 1: every rank raises the same
+    error naming it, instead of rank 0 waiting in the probe's collectives."""
+    from fslr_func.training.recorder import Recorder
+
+    fm = ff.with_fslr(DistributedDataParallel(_mlp()), samples=4, seed=3)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.05)
+    stream = _probe_stream(SHARDS[rank], seed=7)
+    probes = iter([next(stream)]) if rank == 1 else stream
+    recorder = Recorder(fm, probes, optimizer=opt, warmup_samples=4, every=1)
+    _, x_train, y_train = _batches()
+    xs, ys = x_train.chunk(WORLD)[rank], y_train.chunk(WORLD)[rank]
+    message = ""
+    for step in range(2):
+        opt.zero_grad()
+        nn.functional.cross_entropy(fm(xs), ys).backward()
+        try:
+            with recorder.step():
+                opt.step()
+        except ValueError as err:
+            message = str(err)
+            assert step == 1
+    assert "failed on rank(s) [1]" in message and "ran out after 1 batches" in message
+    _assert_same_message(message)
+
+
 def _checks(rank: int) -> None:
+    _check_probe_feed_running_out_on_one_rank(rank)
     _check_estimates(rank)
     _check_every_draw_and_shard_layout(rank)
     _check_sparse_embedding(rank)
