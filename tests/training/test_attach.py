@@ -280,8 +280,7 @@ def test_a_with_block_is_a_skipped_step_only_when_the_scaler_skipped() -> None:
         opt.zero_grad()
         scaler.scale(fm(next(stream())).sum() * torch.inf).backward()
         with rec.step():
-            scaler.step(opt)  # skipped: a foreach optimiser is not called
-            opt.zero_grad()  # the gradients read are those the block began with
+            scaler.step(opt)  # skipped: a for-loop optimiser is not called
         scaler.update()
         assert rec.t == counted
         opt.zero_grad()
