@@ -561,7 +561,28 @@ def model_forward(
         unscaled_embedding_gradients(module),
         backward_hooks_off(module),
     ):
-        return functional_call(module, dict(tensors), args, kwargs, strict=False)
+        try:
+            return functional_call(module, dict(tensors), args, kwargs, strict=False)
+        except (RuntimeError, TypeError, ValueError, IndexError) as err:
+            if hasattr(err, "add_note"):  # Python 3.11+: the error itself is left as it is
+                err.add_note(
+                    f"(raised by {type(module).__name__}'s forward on a probe batch of "
+                    f"{_shapes(args, kwargs)}: probe batches must be inputs the model takes, "
+                    "as a training batch is)"
+                )
+            raise
+
+
+def _shapes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
+    """The shapes of a forward's tensor inputs, for a message.
+
+    Examples:
+        >>> _shapes((torch.zeros(4, 7),), {"mask": torch.ones(4)})
+        'shapes (4, 7), mask=(4,)'
+    """
+    parts = [str(tuple(a.shape)) for a in args if isinstance(a, Tensor)]
+    parts += [f"{k}={tuple(v.shape)}" for k, v in kwargs.items() if isinstance(v, Tensor)]
+    return "shapes " + ", ".join(parts) if parts else "no tensor inputs"
 
 
 @contextlib.contextmanager

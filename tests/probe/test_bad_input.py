@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -475,3 +476,15 @@ def test_nested_measure_blocks_are_refused() -> None:
             pass
         opt.step()
     assert {int(c) for c in fm.ema.counts.values()} == {1}  # the step was folded in once
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="exception notes are Python 3.11+")
+def test_a_probe_batch_the_model_cannot_take_says_so_beside_the_models_own_error() -> None:
+    fm = ff.with_fslr(nn.Linear(3, 2), samples=2, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    rec = ff.Recorder(fm, [torch.randn(4, 7)], optimizer=opt, warmup_samples=2)
+    fm(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as caught, rec.step():
+        opt.step()
+    notes = getattr(caught.value, "__notes__", [])
+    assert any("probe batch of shapes (4, 7)" in n for n in notes), notes
