@@ -18,7 +18,9 @@ counts the same steps through :class:`StepWatch`, which watches the block's opti
 
 A step of several optimisers (Muon on the matrices, AdamW on the rest) is one *round*: the
 context manager is entered at the first optimiser's pre-hook and exited once every optimiser
-has stepped. If an ``optimizer.step()`` raises, its post-hook never runs; the open round is
+has stepped (a fused optimiser the scaler skipped counts as stepped: the round closes when
+the others have; a non-fused one's skip is seen only at its next step, which closes the
+round). If an ``optimizer.step()`` raises, its post-hook never runs; the open round is
 then abandoned (exited with :class:`StepAborted`: nothing is recorded or scaled) at the next
 pre-hook of that optimiser or at :meth:`StepHooks.detach`, whichever comes first. Steps a
 controller takes itself inside a round do not start a round.
@@ -144,6 +146,7 @@ class StepHooks:
         self._entered: set[int] = set()
         self._stepped: set[int] = set()
         self._skipped: set[int] = set()
+        self._passed: set[int] = set()  # skipped (fused) before the round's first step
         self._busy = False
         self._handles = [
             h
@@ -164,9 +167,8 @@ class StepHooks:
             return
         key = id(optimizer)
         self._skipped.discard(key)  # (left by a skipped step that raised)
-        if _skipped_by_scaler(optimizer):
-            self._skipped.add(key)  # as a non-fused optimiser's skipped step: no hook at all
-            return
+        if key in self._passed:  # its next step: a new round of steps has begun
+            self._passed.clear()
         if self._open is not None and key in self._entered - self._stepped:
             warnings.warn(
                 "the previous optimizer.step() did not finish (it raised): its measurement is "
@@ -177,11 +179,24 @@ class StepHooks:
             self._abort()
         elif self._open is not None and key in self._stepped:
             self._close()  # another optimiser of the round was skipped: the round is over
+        if _skipped_by_scaler(optimizer):
+            # as a non-fused optimiser's skipped step: no step; but its turn in the round is
+            # over, so the round can close when the others have stepped
+            self._skipped.add(key)
+            if self._open is None:
+                self._passed.add(key)
+                return
+            self._entered.add(key)
+            self._stepped.add(key)
+            if len(self._stepped) == len(self._optimizers):
+                self._close()
+            return
         if self._open is None:
             manager = self._step()
             self._run(manager.__enter__)
             self._open = manager
-            self._entered, self._stepped = set(), set()
+            self._entered, self._stepped = set(self._passed), set(self._passed)
+            self._passed.clear()
         self._entered.add(key)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:

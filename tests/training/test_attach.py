@@ -288,3 +288,29 @@ def test_a_with_block_is_a_skipped_step_only_when_the_scaler_skipped() -> None:
         with rec.step():
             opt.step()
         assert rec.t == 1 + counted
+
+
+def test_a_round_whose_fused_optimiser_the_scaler_skipped_closes_in_its_own_iteration() -> None:
+    """Two fused optimisers; at iterations 1 and 3 only the first one's gradients are not
+    finite, so the scaler skips it and steps the second. The round is still that
+    iteration's: it closes when the second has stepped, ``t`` counts iterations, and the
+    record's rows are the iterations probed."""
+    fm = model()
+    matrices = [p for p in fm.parameters() if p.dim() == 2]
+    vectors = [p for p in fm.parameters() if p.dim() < 2]
+    first = torch.optim.Adam(matrices, lr=1e-2, fused=True)
+    second = torch.optim.AdamW(vectors, lr=1e-2, fused=True)
+    rec = Recorder(fm, stream(), optimizer=[first, second], warmup_samples=8, every=2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1000)
+    with rec.attach():
+        for t in range(5):
+            first.zero_grad()
+            second.zero_grad()
+            scaler.scale(fm(next(stream(t))).square().mean()).backward()
+            if t in (1, 3):
+                matrices[0].grad[0, 0] = torch.inf  # type: ignore[index]
+            scaler.step(first)
+            scaler.step(second)
+            scaler.update()
+            assert rec.t == t + 1, t
+    assert rec.record.steps == [0, 2, 4]
