@@ -19,8 +19,8 @@ counts the same steps through :class:`StepWatch`, which watches the block's opti
 A step of several optimisers (Muon on the matrices, AdamW on the rest) is one *round*: the
 context manager is entered at the first optimiser's pre-hook and exited once every optimiser
 has stepped (a fused optimiser the scaler skipped counts as stepped: the round closes when
-the others have; a non-fused one's skip is seen only at its next step, which closes the
-round). If an ``optimizer.step()`` raises, its post-hook never runs; the open round is
+the others have; a non-fused one's skip calls no hook, so the round takes in that
+optimiser's next step). If an ``optimizer.step()`` raises, its post-hook never runs; the open round is
 then abandoned (exited with :class:`StepAborted`: nothing is recorded or scaled) at the next
 pre-hook of that optimiser or at :meth:`StepHooks.detach`, whichever comes first. Steps a
 controller takes itself inside a round do not start a round.
