@@ -286,6 +286,9 @@ class StepController:
                 f"generator), got {type(probe_batches).__name__}"
             )
         self.fm = fm
+        # a DistributedFSLRModule's (read once: a missing attribute of a module is slow)
+        self._distributed = bool(getattr(fm, "distributed", False))
+        self._group = getattr(fm, "group", None)
         self.optimizers = optimizers_of(optimizers)
         self.plan = ProbePlan.of(warmup_samples, fm.samples, every, start_step)
         # checked integers, kept plain (np.int64 too): they go into states and records
@@ -375,7 +378,7 @@ class StepController:
     ) -> Iterator[Measurement | None]:
         """One step, probed or not; ``watched``: a ``with`` block, which is no step if the
         optimiser skipped its step and nothing moved."""
-        watch = StepWatch(optimizers, getattr(self.fm, "group", None)) if watched else None
+        watch = StepWatch(optimizers, self._group) if watched else None
         with watch if watch is not None else contextlib.nullcontext():
             self._prepare(optimizers)
             n = max(self.plan.probes_at(self.t), self._owed)
@@ -434,7 +437,7 @@ class StepController:
         """The step's ``n`` probe batches. Under a distributed wrapper every rank learns
         whether one rank's feed ran out, and all raise, instead of the others waiting in the
         probe's collectives for the group's timeout."""
-        if not getattr(self.fm, "distributed", False):
+        if not self._distributed:
             return self._feed.take(n)
         batches: list[Inputs] = []
         reason = None
@@ -447,7 +450,7 @@ class StepController:
             f"{self.kind}: drawing step {self.t}'s probe batches",
             "hand every rank an endless iterator or a re-iterable (a DataLoader with a "
             "DistributedSampler) with the same number of probe batches",
-            getattr(self.fm, "group", None),
+            self._group,
         )
         return batches
 

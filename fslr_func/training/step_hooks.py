@@ -20,10 +20,10 @@ A step of several optimisers (Muon on the matrices, AdamW on the rest) is one *r
 context manager is entered at the first optimiser's pre-hook and exited once every optimiser
 has stepped (a fused optimiser the scaler skipped counts as stepped: the round closes when
 the others have; a non-fused one's skip calls no hook, so the round takes in that
-optimiser's next step). If an ``optimizer.step()`` raises, its post-hook never runs; the open round is
-then abandoned (exited with :class:`StepAborted`: nothing is recorded or scaled) at the next
-pre-hook of that optimiser or at :meth:`StepHooks.detach`, whichever comes first. Steps a
-controller takes itself inside a round do not start a round.
+optimiser's next step). If an ``optimizer.step()`` raises, its post-hook never runs; the
+open round is then abandoned (exited with :class:`StepAborted`: nothing is recorded or
+scaled) at the next pre-hook of that optimiser or at :meth:`StepHooks.detach`, whichever
+comes first. Steps a controller takes itself inside a round do not start a round.
 
 Examples:
     >>> import torch
@@ -257,9 +257,8 @@ class StepWatch:
     - a fused optimiser's skipped step runs its hooks with ``optimizer.found_inf`` set;
     - a for-loop or ``foreach`` optimiser's skipped step runs no hook at all, and the
       gradients it was not stepped on are not finite (the scaler skips for that reason
-      alone). They are read from the gradients present when the block was entered, so a
-      ``zero_grad()`` inside the block changes nothing; with FSDP2's sharded gradients the
-      ranks agree on the answer with one all-reduce.
+      alone; they are read only then, so ``zero_grad()`` belongs after the block); with
+      FSDP2's sharded gradients the ranks agree on the answer with one all-reduce.
 
     A block in which no step ran and every gradient is finite (the weights were updated by
     hand, or ``optimizer.step()`` was not called) is not a skip: it counts, as before.
@@ -285,7 +284,7 @@ class StepWatch:
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer], group: Any = None) -> None:
         self._group = group
-        self._grads = [p.grad for opt in optimizers for g in opt.param_groups for p in g["params"]]
+        self._optimizers = optimizers
         self._called = self._ran = self._flagged = False
         self._handles = [
             h
@@ -309,7 +308,8 @@ class StepWatch:
             return False
         if self._called:
             return self._flagged
-        return _any_not_finite([g for g in self._grads if g is not None], self._group)
+        grads = [p.grad for o in self._optimizers for g in o.param_groups for p in g["params"]]
+        return _any_not_finite([g for g in grads if g is not None], self._group)
 
     def close(self) -> None:
         """Remove the hooks (:meth:`skipped` still answers)."""
