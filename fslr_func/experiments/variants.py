@@ -101,10 +101,10 @@ from ..training.feature_gains import (
     step_gains,
 )
 from ..training.flerm import FLeRM, Matched, SetPoint
-from ..training.readout_scale import _MARK as _READOUT_MARK
 from ..training.readout_scale import readout_width_scale, scale_readout
 from ..training.recorder import Recorder
 from ..training.wrapper import FSLRModule
+from ..training.wrapper_state import READOUT_SCALE_MARK
 from . import mup
 
 __all__ = [
@@ -755,7 +755,7 @@ def _mup_ratios(flerm: FLeRM) -> dict[str, float]:
     prefix, model, shapes = flerm.fm.name_prefix, flerm.fm.module, flerm.base.shapes
     kind = "sgd" if isinstance(flerm.optimizer, torch.optim.SGD) else "adam"
     factors = {g["name"]: g["lr"] for g in mup.mup_groups(model, shapes, 1.0, optimizer=kind)}
-    readout = next(n for n, m in model.named_modules() if hasattr(m, _READOUT_MARK))
+    readout = next(n for n, m in model.named_modules() if hasattr(m, READOUT_SCALE_MARK))
     weight = f"{readout}.weight" if readout else "weight"
     m = mup.width_mults(model, shapes)[weight][1] or 1.0
     factors[weight] /= m ** (2 if kind == "sgd" else 1)

@@ -21,7 +21,9 @@ It must run *before the first gradient*: an optimiser that has seen the unscaled
 gradients keeps them in its state (Adam's moments), which on a 1-D conv net of the transfer
 matrix took muP itself from 0.234 to 0.424 in loss. Call it once, on the freshly initialised
 model, before the optimiser's first step; when resuming, call it before loading the
-checkpoint, which holds the scaled weights (a second call on the same model is refused).
+checkpoint, which holds the scaled weights, or not at all. A second call on the same model is
+refused, also after loading a checkpoint of a scaled run (the wrapper's state carries the
+scale: ``fm.state_dict()``).
 
 Examples:
     >>> import torch, fslr_func as ff
@@ -47,11 +49,9 @@ from ..probe.readout import ReadoutFinder, readout_module, tied
 from .controller import fslr_module_of
 from .feature_gains import NoReadoutError
 from .wrapper import FSLRModule
+from .wrapper_state import READOUT_SCALE_MARK
 
 __all__ = ["readout_width_scale", "scale_readout"]
-
-_MARK = "_fslr_readout_scale"
-"""The attribute :func:`scale_readout` leaves on the readout module: the scale it applied."""
 
 
 def readout_width_scale(shape: tuple[int, ...], base_shape: tuple[int, ...]) -> float:
@@ -160,11 +160,13 @@ def scale_readout(
     fm = fslr_module_of(fm)
     name = _find_readout(fm, inputs)
     module = fm.module.get_submodule(name)
-    if hasattr(module, _MARK):
+    if hasattr(module, READOUT_SCALE_MARK):
         raise ValueError(
             f"scale_readout already scaled {name!r} of this model (by "
-            f"{getattr(module, _MARK):.4g}): it multiplies the weights, so a second call "
-            "would scale them again; call it once, on the freshly initialised model"
+            f"{getattr(module, READOUT_SCALE_MARK):.4g}): it multiplies the weights, so a "
+            "second call would scale them again; call it once, on the freshly initialised "
+            "model (a checkpoint of a scaled run, once loaded, holds the scaled weights and "
+            "says so: when resuming, call it before load_state_dict, or not at all)"
         )
     weight = module._parameters.get("weight")
     if not isinstance(weight, nn.Parameter):
@@ -187,5 +189,5 @@ def scale_readout(
     scale = readout_width_scale(tuple(weight.shape), base_shape)
     with torch.no_grad():
         weight.mul_(scale)
-    setattr(module, _MARK, scale)
+    setattr(module, READOUT_SCALE_MARK, scale)
     return scale

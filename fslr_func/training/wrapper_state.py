@@ -28,6 +28,7 @@ from ..probe.options import ProbeOptions, Strategy
 from ..stats.estimator import EMA, ReadoutRole
 
 __all__ = [
+    "READOUT_SCALE_MARK",
     "STATE_VERSION",
     "extra_state",
     "load_bare",
@@ -38,6 +39,10 @@ __all__ = [
 
 STATE_VERSION = 3
 """Version of the wrapper's saved state (3: tensor names are the bare model's)."""
+READOUT_SCALE_MARK = "_fslr_readout_scale"
+"""The attribute :func:`~fslr_func.training.readout_scale.scale_readout` leaves on the readout
+module: the scale it applied. Saved with the wrapper's state and restored with it, so a
+resumed run knows its readout is scaled already."""
 _EXTRA = "_extra_state"
 _METADATA_KEY = "fslr_state"  # the wrapper's state, in the state dict's metadata
 
@@ -45,6 +50,7 @@ _METADATA_KEY = "fslr_state"  # the wrapper's state, in the state dict's metadat
 class FSLRModule(Protocol):
     """What this module reads and restores of :class:`fslr_func.training.wrapper.FSLRModule`."""
 
+    module: torch.nn.Module
     ema: EMA
     readout_roles: dict[str, ReadoutRole]
     generators: dict[str, torch.Generator]
@@ -122,8 +128,8 @@ def load_bare_keys(fm: FSLRModule, incompatible: Any) -> None:
 
 
 def extra_state(fm: FSLRModule) -> dict[str, Any]:
-    """The wrapper's own state: EMA, readout roles, omega generators and configuration, with
-    tensors under the bare model's names."""
+    """The wrapper's own state: EMA, readout roles, omega generators, configuration and the
+    readout scale applied (if any), with tensors under the bare model's names."""
     bare = fm.name_prefix
     return {
         "version": STATE_VERSION,
@@ -133,6 +139,11 @@ def extra_state(fm: FSLRModule) -> dict[str, Any]:
         "generators": {k: g.get_state() for k, g in fm.generators.items()},
         "probes": fm.probes,
         "resolved_strategy": fm.resolved_strategy,
+        "readout_scales": {
+            n.removeprefix(bare): getattr(m, READOUT_SCALE_MARK)
+            for n, m in fm.module.named_modules()
+            if hasattr(m, READOUT_SCALE_MARK)
+        },
     }
 
 
@@ -169,3 +180,10 @@ def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
     fm.probes = int(state.get("probes", 0))
     fm.reported = {n: int(v) for n, v in fm.ema.dropped.items()}
     fm.resolved_strategy = state.get("resolved_strategy", fm.options.strategy)
+    if "readout_scales" in state:  # the weights loaded are scaled where the saved ones were
+        scales = {prefix + n: float(c) for n, c in state["readout_scales"].items()}
+        for name, module in fm.module.named_modules():
+            if name in scales:
+                setattr(module, READOUT_SCALE_MARK, scales[name])
+            elif hasattr(module, READOUT_SCALE_MARK):
+                delattr(module, READOUT_SCALE_MARK)

@@ -171,3 +171,27 @@ def test_bf16_parameters_are_scaled_in_their_dtype():
     ff.scale_readout(ff.with_fslr(model), _base(w2=[3, 8]), X.to(torch.bfloat16))
     assert model[2].weight.dtype == torch.bfloat16
     assert torch.equal(model[2].weight.detach(), before * 0.5)  # a power of 2: exact
+
+
+def test_a_checkpoint_carries_the_scale_so_a_resume_cannot_scale_twice(tmp_path):
+    """Resumed in the wrong order (checkpoint loaded, then ``scale_readout``), the readout
+    was scaled twice without a word: the wrapper's state now carries the scale."""
+    base = _base(w2=[3, 8])
+    fm = ff.with_fslr(_mlp(32))
+    ff.scale_readout(fm, base, X)
+    torch.save(fm.state_dict(), tmp_path / "ckpt.pt")
+    resumed = ff.with_fslr(_mlp(32))
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    weight = resumed.module[2].weight.detach().clone()
+    with pytest.raises(ValueError, match=r"already scaled.*before load_state_dict"):
+        ff.scale_readout(resumed, base, X)
+    assert torch.equal(resumed.module[2].weight, weight)
+    in_order = ff.with_fslr(_mlp(32))  # the documented order: scale, then load
+    ff.scale_readout(in_order, base, X)
+    in_order.load_state_dict(torch.load(tmp_path / "ckpt.pt"))
+    assert torch.equal(in_order.module[2].weight, weight)
+    # a checkpoint of an unscaled run holds unscaled weights: loading it drops the mark
+    unscaled = ff.with_fslr(_mlp(32))
+    torch.save(unscaled.state_dict(), tmp_path / "plain.pt")
+    in_order.load_state_dict(torch.load(tmp_path / "plain.pt"))
+    assert ff.scale_readout(in_order, base, X) == pytest.approx(0.5)
