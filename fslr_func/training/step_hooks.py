@@ -50,13 +50,16 @@ import contextlib
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from ..parallel.process_group import collective_device
 from ..probe.functional import is_dtensor
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["StepAborted", "StepHooks", "StepWatch", "unwrap_optimizer", "unwrap_scheduler"]
 
@@ -122,7 +125,48 @@ def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(found_inf, torch.Tensor) and bool(found_inf.item() != 0)
 
 
-class StepHooks:
+class _OptimizerHooks:
+    """A pre- and a post-step hook (``_pre``, ``_post``) on each of some optimisers, kept
+    until :meth:`close` (or the end of a ``with`` block over this object)."""
+
+    def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._handles = [
+            h
+            for opt in optimizers
+            for h in (
+                opt.register_step_pre_hook(self._pre),
+                opt.register_step_post_hook(self._post),
+            )
+        ]
+
+    def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """Before each ``optimizer.step()``."""
+
+    def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        """After each ``optimizer.step()`` that returned."""
+
+    def _remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def close(self) -> None:
+        """Remove the hooks."""
+        self._remove()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+class StepHooks(_OptimizerHooks):
     """Enters ``step()`` before every round of optimiser steps and exits it after.
 
     Args:
@@ -148,14 +192,7 @@ class StepHooks:
         self._skipped: set[int] = set()
         self._passed: set[int] = set()  # skipped (fused) before the round's first step
         self._busy = False
-        self._handles = [
-            h
-            for opt in self._optimizers
-            for h in (
-                opt.register_step_pre_hook(self._pre),
-                opt.register_step_post_hook(self._post),
-            )
-        ]
+        super().__init__(self._optimizers)
 
     @property
     def attached(self) -> bool:
@@ -229,24 +266,15 @@ class StepHooks:
 
     def detach(self) -> None:
         """Remove the hooks; a round left open by an exception is abandoned (groups put back)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._remove()
         self._abort()
 
-    def __enter__(self) -> StepHooks:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
+    def close(self) -> None:
+        """:meth:`detach`."""
         self.detach()
 
 
-class StepWatch:
+class StepWatch(_OptimizerHooks):
     """Whether the optimiser steps of one ``with controller.step():`` block were skipped.
 
     The ``with`` form sees the block, not the step inside it; a step a ``GradScaler`` skips
@@ -286,14 +314,7 @@ class StepWatch:
         self._group = group
         self._optimizers = optimizers
         self._called = self._ran = self._flagged = False
-        self._handles = [
-            h
-            for opt in optimizers
-            for h in (
-                opt.register_step_pre_hook(self._pre),
-                opt.register_step_post_hook(self._post),
-            )
-        ]
+        super().__init__(optimizers)
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._called = True
@@ -303,30 +324,14 @@ class StepWatch:
         self._ran = self._ran or not self._flagged
 
     def skipped(self) -> bool:
-        """Whether no optimiser stepped because a ``GradScaler`` skipped the step."""
+        """Whether no optimiser stepped because a ``GradScaler`` skipped the step (also after
+        :meth:`close`)."""
         if self._ran:
             return False
         if self._called:
             return self._flagged
         grads = [p.grad for o in self._optimizers for g in o.param_groups for p in g["params"]]
         return _any_not_finite([g for g in grads if g is not None], self._group)
-
-    def close(self) -> None:
-        """Remove the hooks (:meth:`skipped` still answers)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
-
-    def __enter__(self) -> StepWatch:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
 
 def _any_not_finite(grads: Sequence[torch.Tensor], group: Any) -> bool:
