@@ -314,3 +314,30 @@ def test_a_round_whose_fused_optimiser_the_scaler_skipped_closes_in_its_own_iter
             scaler.update()
             assert rec.t == t + 1, t
     assert rec.record.steps == [0, 2, 4]
+
+
+def test_the_with_form_records_what_the_hooks_form_records_around_skipped_probed_steps() -> None:
+    """Every step is probed and the scaler skips steps 1, 3 and 4 (two in a row): both forms
+    record the same rows, bit for bit (the skipped blocks' probe batches and omegas go to
+    the next step taken)."""
+    rows = []
+    for form in ("hooks", "with"):
+        fm = model()
+        opt = torch.optim.Adam(fm.parameters(), lr=1e-2, foreach=True)
+        rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+        hooks = rec.attach() if form == "hooks" else contextlib.nullcontext()
+        noted = pytest.warns(RuntimeWarning, match="skipped") if form == "with" else _nothing()
+        with hooks, noted:
+            for t in range(7):
+                opt.zero_grad()
+                g = torch.Generator().manual_seed(t)
+                x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+                loss = fm(x).square().mean() * (torch.inf if t in (1, 3, 4) else 1.0)
+                scaler.scale(loss).backward()
+                with rec.step() if form == "with" else contextlib.nullcontext():
+                    scaler.step(opt)
+                scaler.update()
+        rows.append(rec.record.to_rows())
+    assert [r["step"] for r in rows[0]] == [0, 1, 2, 3]
+    assert rows[0] == rows[1]
