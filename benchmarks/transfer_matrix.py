@@ -43,6 +43,9 @@ neighbours; its rows are read against the main cell's re-tuned standard training
 extrapolates to (:func:`~fslr_func.experiments.matrix.two_width_cell`), and prints a table
 of both models against re-tuning.
 
+``--seeds N`` runs the cells with N seeds instead of their own (the seeds already run are
+cached in the same folders: a run's fingerprint leaves the seeds out).
+
 ``--base-rate CELL=LR`` (repeatable, with ``--variant``) skips a cell's main runs and runs
 the variants at ``b = LR`` (the main table's, docs/reproduction.md) and their adaptive
 neighbours, printing each variant's shift, loss at ``b`` and best loss; the ratio to re-tuned
@@ -486,11 +489,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="with --variant: also run each variant at K times the base width and at the top "
         "width at the rate its fitted best there extrapolates to (two_width_cell)",
     )
+    p.add_argument(
+        "--seeds",
+        type=int,
+        default=None,
+        help="run the cells with this many seeds instead of their own (the seeds already run "
+        "are read from the same folders)",
+    )
     args = p.parse_args(argv)
+    if args.seeds is not None and args.seeds < 1:
+        p.error(f"--seeds must be a positive integer, got {args.seeds}")
     if args.list:
         print("\n".join(ALL_CELLS))
         return 0
     cells = dict(ALL_CELLS)
+    if args.seeds is not None:  # the seeds are not in a run's fingerprint: the cache is shared
+        cells = {n: c.replace(seeds=args.seeds) for n, c in cells.items()}
     if args.top_scale is not None:
         k = args.top_scale
         cells = {n: c.replace(scales=(c.base_scale, c.base_scale * k)) for n, c in cells.items()}

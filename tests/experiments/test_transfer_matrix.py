@@ -283,6 +283,7 @@ def test_matrix_script_lists_cells_and_prints_rows(capsys):
         (["--base-rate", "resmlp-w32-s150=2^-6"], "give --variant"),
         (["--two-widths", "2"], "needs --variant"),
         (["--two-widths", "8", "--variant", "feature"], "1 < K < 8"),
+        (["--seeds", "0"], "--seeds must be a positive integer"),
     ],
 )
 def test_matrix_script_base_rate_refuses_bad_input(args, says, capsys):
@@ -305,6 +306,15 @@ def test_matrix_script_base_rate_runs_the_variant_at_the_given_rate(tmp_path, ca
     args = ["--cells", "resmlp-w32-s600", "--base-rate", "resmlp-w32-s600=2^-7"]
     assert mod.main([*args, "--variant", "feature", "--out", str(tmp_path)]) == 0
     assert seen == {"variant": "feature", "modes": ("flerm",), "tuned": 2.0**-7}
+    fake = fake_cell
+
+    def counted(config, out, **kw):  # --seeds: the cell's own seeds replaced
+        seen["seeds"] = config.seeds
+        return fake(config, out, **kw)
+
+    monkeypatch.setattr(mod, "adaptive_cell", counted)
+    assert mod.main([*args, "--variant", "feature", "--out", str(tmp_path), "--seeds", "5"]) == 0
+    assert seen["seeds"] == 5 != mod.ALL_CELLS["resmlp-w32-s600"].seeds
     out = capsys.readouterr().out
     assert "resmlp-w32-s600 feature: shift +1; loss at b 0.5000 (sd 0.0100); best 0.4000" in out
     assert "transfer matrix" not in out  # no main cell ran: no tables
