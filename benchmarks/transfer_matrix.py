@@ -43,8 +43,10 @@ neighbours; its rows are read against the main cell's re-tuned standard training
 extrapolates to (:func:`~fslr_func.experiments.matrix.two_width_cell`), and prints a table
 of both models against re-tuning.
 
-``--seeds N`` runs the cells with N seeds instead of their own (the seeds already run are
-cached in the same folders: a run's fingerprint leaves the seeds out).
+``--seeds N`` runs the cells with N seeds instead of their own, in a folder of its own
+(``fslr_runs/matrix-seedsN``): FLeRM's runs read the seed mean of the base records, so they
+differ with the number of seeds. Copy a cell's folders there first to reuse its standard and
+muP runs (a run's fingerprint leaves the seeds out).
 
 ``--base-rate CELL=LR`` (repeatable, with ``--variant``) skips a cell's main runs and runs
 the variants at ``b = LR`` (the main table's, docs/reproduction.md) and their adaptive
@@ -493,8 +495,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--seeds",
         type=int,
         default=None,
-        help="run the cells with this many seeds instead of their own (the seeds already run "
-        "are read from the same folders)",
+        help="run the cells with this many seeds instead of their own (folder OUT-seedsN)",
     )
     args = p.parse_args(argv)
     if args.seeds is not None and args.seeds < 1:
@@ -503,8 +504,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("\n".join(ALL_CELLS))
         return 0
     cells = dict(ALL_CELLS)
-    if args.seeds is not None:  # the seeds are not in a run's fingerprint: the cache is shared
+    if args.seeds is not None:
+        # its own folder: FLeRM's runs read the seed mean of the base records, so another
+        # number of seeds would replace the runs of the cells' own read-out
         cells = {n: c.replace(seeds=args.seeds) for n, c in cells.items()}
+        args.out = args.out.with_name(f"{args.out.name}-seeds{args.seeds}")
     if args.top_scale is not None:
         k = args.top_scale
         cells = {n: c.replace(scales=(c.base_scale, c.base_scale * k)) for n, c in cells.items()}
