@@ -566,9 +566,9 @@ def model_forward(
         except (RuntimeError, TypeError, ValueError, IndexError) as err:
             if hasattr(err, "add_note"):  # Python 3.11+: the error itself is left as it is
                 err.add_note(
-                    f"(raised by {type(module).__name__}'s forward on a probe batch of "
-                    f"{_shapes(args, kwargs)}: probe batches must be inputs the model takes, "
-                    "as a training batch is)"
+                    f"(raised in {type(module).__name__}'s forward, run by fslr_func on a "
+                    f"probe batch of {_shapes(args, kwargs)}; if that batch is not an input "
+                    "the model takes, as a training batch is, fix the probe batches)"
                 )
             raise
 
