@@ -72,7 +72,7 @@ from ..probe.names import unwrapped
 from ..probe.sampling import OmegaSlice, ProbeResult
 from ..stats.estimator import Estimator, check_estimator
 from .fsdp import gathered
-from .process_group import ProcessGroup, collective_device, rank_and_size
+from .process_group import ProcessGroup, collective_device, failure_reasons, rank_and_size
 
 __all__ = [
     "OMEGA_DRAWS",
@@ -189,9 +189,7 @@ def _gather_layout(
     rows = [[int(v) for v in t.tolist()] for t in table]
     failed = [i for i, r in enumerate(rows) if r[0] == _FAILED]
     if failed:
-        reasons: list[str | None] = [None] * world
-        dist.all_gather_object(reasons, reason, group=group)
-        why = "; ".join(f"rank {i}: {reasons[i]}" for i in failed)
+        why = failure_reasons(failed, reason, group)
         raise ValueError(
             f"the probe failed on rank(s) {failed} ({why}): every rank leaves this probe; fix "
             "the failing rank's shard of the probe batch"

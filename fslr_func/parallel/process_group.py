@@ -12,6 +12,7 @@ Examples:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ __all__ = [
     "ProcessGroup",
     "broadcast_seed",
     "collective_device",
+    "failure_reasons",
     "raise_if_any_rank_failed",
     "rank_and_size",
 ]
@@ -82,9 +84,14 @@ def raise_if_any_rank_failed(reason: str | None, what: str, fix: str, group: Pro
     flags = [torch.zeros_like(flag) for _ in range(world)]
     dist.all_gather(flags, flag, group=group)
     failed = [i for i, f in enumerate(flags) if int(f.item())]
-    if not failed:
-        return
-    reasons: list[str | None] = [None] * world
+    if failed:
+        why = failure_reasons(failed, reason, group)
+        raise ValueError(f"{what} failed on rank(s) {failed} ({why}): every rank stops here; {fix}")
+
+
+def failure_reasons(failed: Sequence[int], reason: str | None, group: ProcessGroup) -> str:
+    """``"rank i: reason; ..."`` of the ``failed`` ranks, every rank having passed its own
+    ``reason`` (one ``all_gather_object``, on every rank of ``group``)."""
+    reasons: list[str | None] = [None] * rank_and_size(group)[1]
     dist.all_gather_object(reasons, reason, group=group)
-    why = "; ".join(f"rank {i}: {reasons[i]}" for i in failed)
-    raise ValueError(f"{what} failed on rank(s) {failed} ({why}): every rank stops here; {fix}")
+    return "; ".join(f"rank {i}: {reasons[i]}" for i in failed)

@@ -452,7 +452,7 @@ class FLeRM(StepController):
         self._before = dict(m.before)
 
     def _finish(self) -> None:
-        self._abandon()
+        self._end_scaling()
         if self._point is not None:
             self.history.append(self._point)
         if self.log_fn is not None:
@@ -461,10 +461,13 @@ class FLeRM(StepController):
                 scalars.update({f"fslr/{k}": v for k, v in self._point.fslr.items()})
             self.log_fn(self.t, scalars)
 
-    def _abandon(self) -> None:
-        # a skipped step: its (zero) update scaled, the step closed; nothing logged
+    def _end_scaling(self) -> None:
+        """Scale the step's update to FLeRM's rates and close the step."""
         self.scaler.end(self.targets.params, self._rates, self._before)
         self._before = {}
+
+    def _abandon(self) -> None:
+        self._end_scaling()  # a skipped step's update is zero; nothing is logged
 
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         targets = self.targets.at(step, self.names, self._note_each)

@@ -56,7 +56,7 @@ import torch
 import torch.distributed as dist
 
 from ..parallel.process_group import collective_device
-from ..probe.functional import is_dtensor
+from ..probe.functional import all_finite, is_dtensor
 
 if TYPE_CHECKING:
     from typing_extensions import Self
@@ -145,14 +145,11 @@ class _OptimizerHooks:
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """After each ``optimizer.step()`` that returned."""
 
-    def _remove(self) -> None:
+    def close(self) -> None:
+        """Remove the hooks."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
-
-    def close(self) -> None:
-        """Remove the hooks."""
-        self._remove()
 
     def __enter__(self) -> Self:
         return self
@@ -266,12 +263,10 @@ class StepHooks(_OptimizerHooks):
 
     def detach(self) -> None:
         """Remove the hooks; a round left open by an exception is abandoned (groups put back)."""
-        self._remove()
+        super().close()
         self._abort()
 
-    def close(self) -> None:
-        """:meth:`detach`."""
-        self.detach()
+    close = detach
 
 
 class StepWatch(_OptimizerHooks):
@@ -345,10 +340,9 @@ def _any_not_finite(grads: Sequence[torch.Tensor], group: Any) -> bool:
     """
     sharded = any(is_dtensor(g) for g in grads)
     local = [g.to_local() if is_dtensor(g) else g for g in grads]  # type: ignore[attr-defined]
-    flags = [torch.logical_not(torch.isfinite(g).all()) for g in local if g.numel()]
+    found = not all(map(all_finite, local))  # (only read when no step ran: rare)
     if not sharded:
-        return any(bool(f) for f in flags)  # (only read when no step ran: rare)
-    device = collective_device(group)
-    flag = torch.tensor(any(bool(f) for f in flags), dtype=torch.int32, device=device)
+        return found
+    flag = torch.tensor(int(found), dtype=torch.int32, device=collective_device(group))
     dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
     return bool(flag.item())
