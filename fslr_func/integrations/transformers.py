@@ -30,6 +30,7 @@ Examples:
 from __future__ import annotations
 
 import inspect
+import io
 import os
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -41,6 +42,7 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer import TRAINER_STATE_NAME
 
+from ..io.atomic import atomic_write_bytes
 from .session import STATE_FILE, DrivingCallback, RecordingCallback, Session
 
 if TYPE_CHECKING:
@@ -90,6 +92,24 @@ _ROWS = (
     "probe_dataset rows must be like the training rows: dicts of the model's keyword "
     "arguments ({'input_ids': [...], ...}) that the Trainer's data collator takes"
 )
+
+
+def _load_state(path: str) -> dict[str, Any]:
+    """The FSLR state a checkpoint saved, or a ``ValueError`` naming the file if it cannot
+    be read (cut short by a full disk, written by something else)."""
+    try:
+        state = torch.load(path, weights_only=False)
+    except Exception as err:  # torch's own errors name no file (EOFError, OSError, pickle's)
+        raise ValueError(
+            f"{path!r} cannot be read ({type(err).__name__}: {err}): resume from another "
+            f"checkpoint, or delete that file to resume with the FSLR state started afresh"
+        ) from err
+    if not isinstance(state, dict):
+        raise ValueError(
+            f"{path!r} holds a {type(state).__name__}, not the FSLR state this callback saves: "
+            "resume from another checkpoint, or delete that file to start the state afresh"
+        )
+    return state
 
 
 def _probe_collate(collate: Any) -> Any:
@@ -186,7 +206,7 @@ class _Callback(TrainerCallback):
                 TrainerState.load_from_json(saved).log_history == state.log_history
             )
             if ours:
-                self.session.load_state_dict(torch.load(path, weights_only=False))
+                self.session.load_state_dict(_load_state(path))
                 return
             why = (
                 f"{folder!r} is not the checkpoint resumed from (its {TRAINER_STATE_NAME} differs)"
@@ -204,7 +224,9 @@ class _Callback(TrainerCallback):
     ) -> None:
         folder = os.path.join(_out(args), f"checkpoint-{state.global_step}")
         if os.path.isdir(folder):
-            torch.save(self.session.state_dict(), os.path.join(folder, STATE_FILE))
+            buffer = io.BytesIO()  # serialised first: a failed save leaves the old file whole
+            torch.save(self.session.state_dict(), buffer)
+            atomic_write_bytes(os.path.join(folder, STATE_FILE), buffer.getvalue())
 
     def on_log(
         self,

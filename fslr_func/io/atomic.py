@@ -1,7 +1,8 @@
 """Atomic file writes: a reader sees the old file or the new one, never a truncated one.
 
 Every file the library saves (records, sweep runs, summaries) goes through
-:func:`atomic_write_text`, which behaves like the editors and tools people trust:
+:func:`atomic_write_bytes` (:func:`atomic_write_text`, :func:`write_json`), which behaves
+like the editors and tools people trust:
 
 - a symbolic link is followed (the whole chain): the file it points to is replaced, and the
   link stays a link;
@@ -32,12 +33,16 @@ import glob
 import hashlib
 import json
 import os
+import re
 import stat
 import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["atomic_write_text", "write_json"]
+__all__ = ["atomic_write_bytes", "atomic_write_text", "write_json"]
+
+
+_SEPARATORS = tuple(sep for sep in (os.sep, os.altsep) if sep)
 
 
 def _new_file_mode() -> int:
@@ -111,8 +116,13 @@ def _remove_leftovers(folder: Path, prefix: str) -> None:
     target) are kept.
     """
     for leftover in folder.glob(f"{glob.escape(prefix)}*.tmp"):
-        pid = leftover.name[len(prefix) :].partition(".")[0]
-        if pid.isdigit() and int(pid) != os.getpid() and not _pid_alive(int(pid)):
+        # exactly "<pid>.<random>.tmp" after the prefix: the temporary file of another
+        # target whose name extends this one ("r.json.1" for "r.json") has one more part
+        ours = re.fullmatch(r"(\d+)\.[^.]+\.tmp", leftover.name[len(prefix) :])
+        if ours is None:
+            continue
+        pid = int(ours.group(1))
+        if pid != os.getpid() and not _pid_alive(pid):
             with contextlib.suppress(OSError):
                 leftover.unlink()
 
@@ -141,7 +151,20 @@ def _target_mode(target: Path) -> tuple[int, int, int] | None:
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str, *, parents: bool = False) -> None:
-    """Write ``text`` to ``path`` atomically and durably.
+    """Write ``text`` (UTF-8) to ``path`` with :func:`atomic_write_bytes`.
+
+    Examples:
+        >>> import tempfile, pathlib
+        >>> folder = pathlib.Path(tempfile.mkdtemp())
+        >>> atomic_write_text(folder / "a.txt", "hi")
+        >>> (folder / "a.txt").read_text()
+        'hi'
+    """
+    atomic_write_bytes(path, text.encode("utf-8"), parents=parents)
+
+
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, parents: bool = False) -> None:
+    """Write ``data`` to ``path`` atomically and durably.
 
     A symbolic link is followed to the file it names, which is replaced (the link is kept);
     the new file gets the old one's permissions and, where allowed, its owner. Temporary
@@ -150,7 +173,7 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, parents: bool 
 
     Args:
         path: the target file (or a symbolic link to it).
-        text: its new contents (UTF-8).
+        data: its new contents.
         parents: create missing parent folders; otherwise a missing folder is an error.
 
     Raises:
@@ -161,20 +184,22 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, parents: bool 
     Examples:
         >>> import tempfile, pathlib
         >>> folder = pathlib.Path(tempfile.mkdtemp())
-        >>> atomic_write_text(folder / "nowhere" / "a.txt", "hi")  # doctest: +ELLIPSIS
+        >>> atomic_write_bytes(folder / "nowhere" / "a.txt", b"hi")  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
         FileNotFoundError: [Errno 2] cannot write '.../nowhere/a.txt': No such file or directory
         >>> (folder / "real.txt").write_text("old")
         3
         >>> (folder / "link.txt").symlink_to("real.txt")
-        >>> atomic_write_text(folder / "link.txt", "new")
+        >>> atomic_write_bytes(folder / "link.txt", b"new")
         >>> (folder / "real.txt").read_text(), (folder / "link.txt").is_symlink()
         ('new', True)
     """
     target = Path(os.path.realpath(path))  # through every symbolic link
     folder = target.parent
     try:
+        if os.fspath(path).endswith(_SEPARATORS):  # realpath drops it: "runs/base/" is a folder
+            raise IsADirectoryError(21, "the path ends in a separator, so it names a folder")
         if parents:
             folder.mkdir(parents=True, exist_ok=True)
         existing = _target_mode(target)
@@ -183,8 +208,8 @@ def atomic_write_text(path: str | os.PathLike[str], text: str, *, parents: bool 
         _remove_leftovers(folder, prefix)
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
         try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(text)
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
             os.chmod(tmp, mode)

@@ -4,7 +4,10 @@ r"""The mean of records of one run over seeds (the paper averages 8 seeds).
 :math:`\mathrm{FSLR}_W(t) = \frac{1}{S} \sum_s \mathrm{FSLR}_W^{(s)}(t)`, computed so that the
 mean of any finite values is finite (:func:`mean_of`). An FSLR unknown in some seeds is the
 mean of the seeds that know it (each estimates the same quantity); unknown in all, it stays
-unknown. ``meta`` is the first record's, with ``seed`` the list of all seeds.
+unknown. ``meta`` is the first record's, with ``seed`` the list of all seeds; its
+per-step schedule (``sched_per_step``, what FLeRM follows between rows) is the step-by-step
+mean over the seeds whose runs reached each step (left out if a seed has none), and its
+``feature_gain`` the geometric mean over the seeds that recorded gains.
 
 Seeds recorded on one probe schedule whose steps differ (a ``GradScaler`` skipped a probed
 step in one seed, and the probe moved to the next step) are averaged on the union of their
@@ -63,6 +66,12 @@ def _column_means(columns: list[Sequence[float | None]]) -> list[float | None]:
     return out
 
 
+def _ragged_means(series: list[list[float]]) -> list[float]:
+    """Index by index, the mean over the series long enough to have that index."""
+    longest = max(len(s) for s in series)
+    return [mean_of([s[i] for s in series if i < len(s)]) for i in range(longest)]
+
+
 def _geometric_means(gains: list[dict[str, Any]]) -> dict[str, float]:
     """Per tensor, the geometric mean of the seeds' feature gains (tensors with a gain that
     is not a finite number > 0 in some seed are left out)."""
@@ -92,9 +101,14 @@ def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
         seeds.extend(seed if isinstance(seed, list) else [seed])
     meta = copy.deepcopy(dict(first.meta))
     meta["seed"] = seeds
-    gains = [r.meta.get("feature_gain") for r in records]
-    if all(isinstance(g, dict) for g in gains):  # Recorder(feature_gains=True)
-        meta["feature_gain"] = _geometric_means(cast(list[dict[str, Any]], gains))
+    gains = [g for r in records if isinstance(g := r.meta.get("feature_gain"), dict)]
+    if gains:  # Recorder(feature_gains=True)
+        meta["feature_gain"] = _geometric_means(gains)
+    per_step = [r.meta.get("sched_per_step") for r in records]
+    if all(isinstance(p, list) for p in per_step):
+        meta["sched_per_step"] = _ragged_means(cast(list[list[float]], per_step))
+    else:  # an older seed without it: FLeRM follows the mean's rows
+        meta.pop("sched_per_step", None)
     steps = sorted({t for r in records for t in r.steps})
     rows = [[row_in_force(r.steps, t) for t in steps] for r in records]
 

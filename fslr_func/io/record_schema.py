@@ -301,7 +301,10 @@ def _json_value(v: object) -> bool:
 META_SCHEMA: dict[str, tuple[Callable[[object], bool], str]] = {
     "base_lr": (_optional(_positive_number), "a finite number > 0 (lr_0), or null"),
     "optimizer": (_optional(_str), "the optimiser's class name, or null"),
-    "optimizer_hparams": (lambda v: isinstance(v, Mapping), "a dict"),
+    "optimizer_hparams": (
+        lambda v: isinstance(v, Mapping) and _json_value(v),
+        "a dict of JSON values (finite numbers: no NaN or Infinity)",
+    ),
     "estimator": (_optional(lambda v: v in ESTIMATORS), f"one of {list(ESTIMATORS)}, or null"),
     "grouping": (_optional(_str), "a grouping name or 'callable:<name>', or null"),
     "beta": (_optional(_beta), "a number in [0, 1), or null"),
@@ -508,7 +511,14 @@ def check_compatible(records: Sequence[Series]) -> None:
                     f"{short_list(n for n in mine if n not in theirs)}; only in record {k}: "
                     f"{short_list(n for n in theirs if n not in mine)}"
                 )
-        if rec.steps != first.steps and not same_probe_plan(first, rec):
+        if not rec.steps or not first.steps:
+            if rec.steps or first.steps:
+                empty, full = (k, 0) if not rec.steps else (0, k)
+                raise ValueError(
+                    f"{where}: record {empty} has no rows and record {full} has some: leave "
+                    "out the seeds that recorded nothing (a mean needs every seed's rows)"
+                )
+        elif rec.steps != first.steps and not same_probe_plan(first, rec):
             only0 = sorted(set(first.steps) - set(rec.steps))
             onlyk = sorted(set(rec.steps) - set(first.steps))
             raise ValueError(

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_map_only
 
-from ..stats.checks import is_integer
+from ..stats.checks import torch_seed
 from .names import unwrapped
 
 Inputs = Tensor | tuple[Any, ...] | Mapping[str, Any]
@@ -139,10 +139,9 @@ def seeded_forward(seed: int | None) -> Iterator[None]:
     if seed is None:
         yield
         return
-    if not is_integer(seed):
-        raise TypeError(f"forward_seed must be None or an int, got {seed!r}")
+    value = torch_seed(seed, "forward_seed")
     with torch.random.fork_rng():
-        torch.manual_seed(int(seed))
+        torch.manual_seed(value)
         yield
 
 

@@ -23,7 +23,7 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Literal, TypedDict, get_args
 
-from ..stats.checks import integer, is_integer
+from ..stats.checks import integer, torch_seed
 from ..stats.estimator import Grouping, check_grouping
 from .functional import OutputFn
 
@@ -49,16 +49,13 @@ STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
 def check_forward_seed(seed: int | None) -> int | None:
-    """``seed`` as a plain int (any ``numbers.Integral``), or ``None``.
+    """``seed`` as a plain int (:func:`torch_seed`), or ``None``.
 
     Raises:
         TypeError: ``seed`` is neither ``None`` nor an integer.
+        ValueError: ``seed`` is outside torch's range.
     """
-    if seed is None:
-        return None
-    if not is_integer(seed):
-        raise TypeError(f"forward_seed must be None or an int, got {seed!r}")
-    return int(seed)
+    return None if seed is None else torch_seed(seed, "forward_seed")
 
 
 @dataclass(frozen=True)

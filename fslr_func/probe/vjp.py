@@ -337,6 +337,7 @@ def prepare_vjp(
 
     finder = ReadoutFinder(model) if readout == "auto" and cached is None else None
     found: list[str | None] = []
+    independent: list[bool] = []  # the found readout's output units, of their own rows alone
     out_shape: list[torch.Size] = []
     last_state: list[dict[str, Tensor]] = []
 
@@ -362,6 +363,7 @@ def prepare_vjp(
             warn_once(model, "tensor-hook", HOOK_WARNING)
         if finder is not None:
             found.append(finder.find(out))
+            independent.append(finder.independent())
         out_shape.append(out.shape)
         return out.reshape(-1)
 
@@ -382,6 +384,7 @@ def prepare_vjp(
             if strategy not in ("auto", "timed"):
                 raise
             found.clear()
+            independent.clear()
             out_shape.clear()
             out, vjp_fn, _ = _autograd_vjp(flat_output, primals, backward_context)
             warn_once(
@@ -399,7 +402,7 @@ def prepare_vjp(
     else:
         module_name = found[0] if found else (readout if readout != "auto" else None)
         last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
-        roles = readout_roles(model, module_name, primals, last_dim)
+        roles = readout_roles(model, module_name, primals, last_dim, independent=all(independent))
         views = {
             n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
             for n, d in delta.items()

@@ -24,7 +24,7 @@ import math
 import numbers
 from typing import cast
 
-__all__ = ["integer", "is_integer", "is_real", "real"]
+__all__ = ["integer", "is_integer", "is_real", "real", "torch_seed"]
 
 
 def is_integer(value: object) -> bool:
@@ -143,3 +143,24 @@ def real(
         what = " ".join(["a finite number", " and ".join(bounds)]).rstrip()
     none = "None or " if optional else ""
     raise ValueError(f"{name} must be {none}{what}, got {value!r}{_tensor_hint(value)}")
+
+
+def torch_seed(seed: object, name: str) -> int:
+    """``seed`` as a plain int that ``torch.manual_seed`` takes, checked before any model runs.
+
+    Raises:
+        TypeError: ``seed`` is not an integer (any ``numbers.Integral``; no bool).
+        ValueError: outside ``[-2**63, 2**64)``, which torch refuses only when it seeds.
+
+    Examples:
+        >>> torch_seed(2**64, "forward_seed")
+        Traceback (most recent call last):
+        ...
+        ValueError: forward_seed must be in [-2**63, 2**64) (a torch seed), got 18446744073709551616
+    """
+    if not is_integer(seed):
+        raise TypeError(f"{name} must be None or an int, got {seed!r}")
+    value = int(cast(numbers.Integral, seed))
+    if not -(2**63) <= value < 2**64:
+        raise ValueError(f"{name} must be in [-2**63, 2**64) (a torch seed), got {value}")
+    return value

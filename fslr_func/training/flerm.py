@@ -406,16 +406,34 @@ class FLeRM(StepController):
             base_ratio = self.base.schedule_at(step)
         driven = set(self.names)
         out: Rates = {}
+        too_large: list[str] = []
         for name, (lr, sched) in self.scaler.schedules(self.targets.name_of).items():
             if name not in driven:
                 continue
             ratio = self.ratios.get(name)
-            out[name] = (
-                (lr, lr)
-                if ratio is None or not lr
-                else (lr, rate(self.lr0, sched if base_ratio is None else base_ratio, ratio))
+            if ratio is None or not lr:
+                out[name] = (lr, lr)
+                continue
+            wanted = rate(self.lr0, sched if base_ratio is None else base_ratio, ratio)
+            if wanted <= self._rate_limit(name):
+                out[name] = (lr, wanted)
+            else:  # an absurd schedule ratio (1e30): the optimiser would overflow
+                out[name] = (lr, lr)
+                too_large.append(name)
+        if too_large and stepping:
+            self._note(
+                "schedule-overflow",
+                f"FLeRM step {step}: the schedule ratio times the matched ratio would set rates "
+                f"past the square root of the dtype's maximum for {too_large[:10]} (the base "
+                "record's schedule ratio is absurd, or the run's own scheduler's); at this step "
+                "they take their group's rate",
             )
         return out
+
+    def _rate_limit(self, name: str) -> float:
+        """The largest rate for tensor ``name``: ``sqrt`` of its dtype's maximum, past which an
+        optimiser's update overflows (a 1e300 base FSLR or schedule ratio)."""
+        return float(torch.finfo(self.targets.params[name].dtype).max ** 0.5)
 
     def lrs(self) -> dict[str, float]:
         """Learning rate of each tensor at the next step (``t``), FLeRM and schedule applied."""
@@ -472,9 +490,7 @@ class FLeRM(StepController):
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         targets = self.targets.at(step, self.names, self._note_each)
         measured = {n: float(fslr[n]) if n in fslr else 0.0 for n in self.names}
-        # a rate past sqrt(dtype max) overflows inside the optimiser (a 1e300 base FSLR)
-        params = self.targets.params
-        limits = {n: torch.finfo(params[n].dtype).max ** 0.5 for n in self.names}
+        limits = {n: self._rate_limit(n) for n in self.names}
         # the feature factors scale the targets before matching, so that a rate they push past
         # the dtype's limit (a huge feature_power) is held like any other, not applied
         factors = self.feature_factors or {}

@@ -35,7 +35,7 @@ from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
 from ..probe.readout import readout_module
 from ..probe.sampling import GradientReduction, run_probe
-from ..stats.checks import is_integer
+from ..stats.checks import torch_seed
 from ..stats.estimator import (
     EMA,
     Estimator,
@@ -179,12 +179,7 @@ class FSLRModule(nn.Module):
         self.reported: dict[str, int] = {}  # drops already warned about, per tensor
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
-        if not is_integer(seed):
-            raise TypeError(f"seed must be an int or None, got {seed!r}")
-        seed = int(seed)
-        if not -(2**63) <= seed < 2**64:  # what torch.Generator.manual_seed takes
-            raise ValueError(f"seed must be in [-2**63, 2**64) (a torch seed), got {seed}")
-        self.seed = seed
+        self.seed = torch_seed(seed, "seed")
         self.generators: dict[str, torch.Generator] = {}
         self.register_state_dict_post_hook(save_bare)  # type: ignore[no-untyped-call]
         self.loading_prefix: str | None = None  # set by load_bare for load_bare_keys

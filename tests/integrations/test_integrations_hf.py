@@ -224,3 +224,18 @@ def test_resume_never_takes_the_fslr_state_of_another_runs_checkpoint(tmp_path: 
         warnings.filterwarnings("error", message=".*FSLR state starts afresh")
         right = run("a", 1e-2, resume=str(tmp_path / "a" / "checkpoint-1"))
     assert right.session.record().fslr == a.session.record().fslr
+
+    # the state is written whole or not at all: a save that fails while serialising (a
+    # stand-in for a crash or a full disk) used to leave a few hundred bytes in its place
+    saved = tmp_path / "a" / "checkpoint-1" / "fslr_state.pt"
+    before = saved.read_bytes()
+    args = transformers.TrainingArguments(output_dir=str(tmp_path / "a"), report_to=[])
+    right.session.state_dict = lambda: {"unpicklable": lambda: 0}  # type: ignore[method-assign]
+    with pytest.raises(Exception, match="pickle"):
+        right.on_save(args, transformers.TrainerState(global_step=1), transformers.TrainerControl())
+    assert saved.read_bytes() == before
+    # a damaged state file is named, not torch.load's bare "Ran out of input"
+    for damaged in (before[: len(before) // 2], b""):
+        saved.write_bytes(damaged)
+        with pytest.raises(ValueError, match=r"checkpoint-1/fslr_state\.pt' cannot be read"):
+            run("a", 1e-2, resume=str(tmp_path / "a" / "checkpoint-1"))

@@ -71,3 +71,14 @@ def test_a_name_past_the_limit_is_the_filesystems_error_naming_the_file(tmp_path
     with pytest.raises(OSError, match=r"cannot write .*File name too long") as info:
         _record(1).save(path)
     assert ".tmp" not in str(info.value)
+
+
+def test_a_path_ending_in_a_separator_names_a_folder(tmp_path: Path) -> None:
+    for folder in (tmp_path / "new", tmp_path / "existing"):  # "runs/base/", made or not
+        if folder.name == "existing":
+            folder.mkdir()
+        with pytest.raises(IsADirectoryError, match=rf"cannot write '{folder}/'"):
+            _record(1).save(f"{folder}/")
+        with pytest.raises(IsADirectoryError):
+            write_json(f"{folder}/", {}, parents=True)
+    assert sorted(os.listdir(tmp_path)) == ["existing"]  # no file named after the folder

@@ -6,6 +6,7 @@ import json
 import math
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -188,10 +189,13 @@ def test_next_save_removes_temp_files_of_killed_writers(tmp_path: Path) -> None:
     killed = tmp_path / f".r.json.{dead}.a1b2.tmp"  # what a kill -9 mid-write leaves
     live = tmp_path / f".r.json.{os.getppid()}.c3d4.tmp"  # a concurrent writer's, in flight
     other = tmp_path / f".q.json.{dead}.e5f6.tmp"  # another target's: its own next save
-    for f in (killed, live, other):
+    # a writer of "r.json.<digits>" (a numbered copy), in flight: its temporary name starts
+    # with r.json's prefix, and the digits are not a pid
+    extended = tmp_path / f".r.json.{dead}.{os.getppid()}.g7h8.tmp"
+    for f in (killed, live, other, extended):
         f.write_text("partial")
     simple([1.0]).save(path)
-    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, "r.json"])
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, extended.name, "r.json"])
 
 
 def test_save_rejects_non_json_meta_without_touching_file(tmp_path: Path) -> None:
@@ -353,6 +357,61 @@ def test_flerm_with_absurd_base_fslr_holds_instead_of_overflowing_adam() -> None
                 opt.step()
     assert flerm.history[0].held == ("0.weight",) and flerm.lrs()["0.weight"] == 0.01
     assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+@pytest.mark.parametrize("field", ["sched", "sched_per_step"])
+def test_flerm_with_absurd_schedule_ratio_holds_instead_of_overflowing(field: str) -> None:
+    # A schedule ratio of 1e300 (valid in the schema) multiplied the matched ratio after the
+    # overflow check: Adam raised "value cannot be converted to type float without overflow"
+    # inside torch._foreach_lerp_ (1e30: inf and NaN in the weights, no warning)
+    import fslr_func as ff
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
+    fm = ff.with_fslr(net, samples=4, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=0.01)
+    fslr = {n: [0.1] for n, _ in net.named_parameters()}
+    meta: dict[str, Any] = {"base_lr": 0.01, "sched_per_step": [1.0, 1e300, 1.0]}
+    sched = [1.0]
+    if field == "sched":
+        meta, sched = {"base_lr": 0.01}, [1e300]
+    base = FSLRRecord(steps=[0], fslr=fslr, sched=sched, meta=meta)
+    flerm = ff.FLeRM(fm, opt, base, probe_batches=[torch.randn(16, 4)], warmup_samples=4)
+    x = torch.randn(16, 4)
+    with pytest.warns(RuntimeWarning, match=r"schedule ratio.*past the square root.*'0\.weight'"):
+        for _ in range(3):
+            opt.zero_grad()
+            fm(x).square().mean().backward()
+            with flerm.step():
+                opt.step()
+    assert all(torch.isfinite(p).all() for p in net.parameters())
+
+
+def test_mean_refuses_a_seed_without_rows_and_averages_the_per_step_schedule() -> None:
+    plan = {"every": 10, "warmup_samples": 8, "start_step": 0}
+    a = FSLRRecord(steps=[0, 10], fslr={"w": [1.0, 2.0]}, meta={**plan, "seed": 0})
+    empty = FSLRRecord(steps=[], fslr={"w": []}, meta={**plan, "seed": 1})
+    for records in ([a, empty], [empty, a]):  # was: IndexError from the row lookup
+        with pytest.raises(ValueError, match=r"has no rows and record \d has some: leave out"):
+            FSLRRecord.mean(records)
+
+    # the per-step schedule FLeRM follows was record 0's alone while sched was averaged;
+    # feature gains were record 0's alone (or none) where another seed had none
+    def rec(seed: int, per_step: list[float], **meta: Any) -> FSLRRecord:
+        return FSLRRecord(
+            steps=[0, 2], fslr={"w": [1.0, 1.0]}, sched=[per_step[0], per_step[2]],
+            meta={"seed": seed, "schedule": "LambdaLR", "sched_per_step": per_step, **meta},
+        )  # fmt: skip
+
+    m = FSLRRecord.mean([rec(0, [1.0, 1.0, 1.0], feature_gain={"w": 4.0}), rec(1, [1.0, 0.5, 0.0])])
+    assert m.sched == [1.0, 0.5] and m.meta["sched_per_step"] == [1.0, 0.75, 0.5]
+    assert m.schedule_at(2) == m.sched[1]
+    assert m.meta["feature_gain"] == {"w": 4.0}  # the mean of the seeds that recorded one
+    m = FSLRRecord.mean([rec(0, [1.0, 0.5, 0.25]), rec(1, [1.0, 0.5, 0.25, 0.125, 0.0])])
+    assert m.meta["sched_per_step"] == [1.0, 0.5, 0.25, 0.125, 0.0]  # a longer run's steps
+    older = rec(1, [1.0, 0.5, 0.0])
+    del older.meta["sched_per_step"]
+    assert "sched_per_step" not in FSLRRecord.mean([rec(0, [1.0, 1.0, 1.0]), older]).meta
 
 
 def test_mean_of_means_flattens_seeds_and_copies_meta() -> None:

@@ -209,6 +209,7 @@ def test_nan_and_duplicate_keys_are_refused_naming_where(tmp_path: Path) -> None
         ("meta", {"base_lr": -1}, r"meta\['base_lr'\] is -1"),
         ("meta", {"estimator": "kronecker"}, r"meta\['estimator'\] is 'kronecker'.*'kron'"),
         ("meta", {"mine": {"x": math.nan}}, r"meta\['mine'\].*not NaN"),
+        ("meta", {"optimizer_hparams": {"eps": math.inf}}, r"meta\['optimizer_hparams'\].*NaN"),
     ]:
         path.write_text(json.dumps({**doc, field: value}))
         with pytest.raises(ValueError, match=named):

@@ -240,6 +240,12 @@ OPTION_ROWS: dict[str, tuple[tuple[str, ...], dict[str, Any], type[Exception], s
         TypeError,
         "forward_seed must be None or an int",
     ),
+    "forward_seed outside torch's range": (
+        ("estimate", "exact", "probe"),
+        {"forward_seed": 2**64},
+        ValueError,
+        r"forward_seed must be in \[-2\*\*63, 2\*\*64\) \(a torch seed\)",
+    ),
 }
 
 
@@ -268,6 +274,10 @@ def test_bad_options(row: str, func: str) -> None:
         ({"beta": -0.1}, r"beta must be in \[0, 1\)"),
         ({"beta": "0.9"}, r"beta must be in \[0, 1\), a number, got '0.9'"),
         ({"beta": math.nan}, r"beta must be in \[0, 1\)"),
+        (
+            {"forward_seed": -(2**63) - 1},
+            r"forward_seed must be in \[-2\*\*63, 2\*\*64\) \(a torch seed\)",
+        ),
         (
             {"seed": 2**64},
             r"seed must be in \[-2\*\*63, 2\*\*64\) \(a torch seed\), got 1844674407370955161",

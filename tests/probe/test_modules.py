@@ -191,6 +191,38 @@ def test_a_forward_hook_that_replaces_the_heads_output_makes_it_no_readout() -> 
     assert abs(float(est["4.bias"] / exact["4.bias"]) - 1) < 0.05
 
 
+class _NormalisedHead(nn.Linear):
+    """A leaf head that normalises its own output units: no unit is a function of its row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x).log_softmax(-1)
+
+
+class _ScaledHead(nn.Linear):
+    """muP's ``MuReadout``: the input scaled, each unit still a function of its own row."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x / 4.0)
+
+
+def test_a_leaf_head_that_mixes_its_output_units_gets_no_readout_estimators() -> None:
+    """Was: any leaf with a ``(K, d)`` weight computing the output got the readout
+    estimators, and the bias one read a uniform shift of a log-softmax head's bias as
+    0.25-0.29 (``exact``: 0, the shift cancels). The head is still the readout layer (for
+    ``scale_readout`` and feature gains); only the row-independent estimators are refused."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _NormalisedHead(6, 5)).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    shift = {"2.bias": torch.full((5,), 0.3, dtype=torch.float64)}
+    found = probe(model, x, shift, samples=2)
+    assert found.readout == {} and found.readout_module == "2"
+    est = ff.estimate(model, x, shift, generator=torch.Generator().manual_seed(0))
+    assert float(est["2.bias"]) < 1e-6 and float(ff.exact(model, x, shift)["2.bias"]) < 1e-6
+    scaled = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _ScaledHead(6, 5)).double()
+    delta = {"2.weight": torch.randn(5, 6, dtype=torch.float64)}
+    assert probe(scaled, x, delta, samples=2).readout == {"2.weight": "weight"}
+
+
 def test_compiled_model_names_and_values_match_the_original() -> None:
     torch.manual_seed(0)
     plain = mlp().double()
