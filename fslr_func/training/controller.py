@@ -303,6 +303,7 @@ class StepController:
         self._stall_steps = 0  # its length in steps (a skipped step too)
         self._stall_noted = False
         self._hooks: StepHooks | None = None
+        self._in_round = False  # inside a step's block: another would count the step twice
         self._noted: set[str] = set()
         self._config: dict[str, Any] = {
             "warmup_samples": warmup_samples,
@@ -365,7 +366,16 @@ class StepController:
 
         Raises:
             ValueError: no optimiser here or at construction, or another one than that.
+            RuntimeError: the controller is attached (:meth:`attach`), whose hooks run every
+                step through it already, or this block is inside another of its blocks:
+                either would count each training step twice.
         """
+        if self._hooks is not None and self._hooks.attached:
+            raise RuntimeError(
+                f"this {self.kind} is attached: its hooks already run every optimizer.step() "
+                f"through it, and a `with {self.kind.lower()}.step():` block around the step "
+                "would count it twice; use one form (remove the block, or .detach() the hooks)"
+            )
         return self._round(self._stepped(optimizer), watched=True)
 
     def _hooked_round(self) -> contextlib.AbstractContextManager[Measurement | None]:
@@ -378,39 +388,48 @@ class StepController:
     ) -> Iterator[Measurement | None]:
         """One step, probed or not; ``watched``: a ``with`` block, which is no step if the
         optimiser skipped its step and nothing moved."""
-        watch = StepWatch(optimizers, self._group) if watched else None
-        with watch if watch is not None else contextlib.nullcontext():
-            self._prepare(optimizers)
-            n = max(self.plan.probes_at(self.t), self._owed)
-            if n and not any(
-                v for o in optimizers for v in rates_in_force(self.fm.module, o).values()
-            ):
-                self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
-                n = 0
-            moved = False
-            if n:
-                batches, probe_state = self._take(n), _ProbeState(self.fm)
-                with self.fm.measure(optimizers, batches, step=self.t) as m:
-                    yield m
-                moved = bool(m.moved)
+        if self._in_round:
+            raise RuntimeError(
+                f"{self.kind}.step() blocks cannot be nested: one block is one training step "
+                "(put each optimizer.step() in one block, with nothing else in it)"
+            )
+        self._in_round = True
+        try:
+            watch = StepWatch(optimizers, self._group) if watched else None
+            with watch if watch is not None else contextlib.nullcontext():
+                self._prepare(optimizers)
+                n = max(self.plan.probes_at(self.t), self._owed)
+                if n and not any(
+                    v for o in optimizers for v in rates_in_force(self.fm.module, o).values()
+                ):
+                    self._defer(n, "every learning rate is 0 (a warm-up from 0?)")
+                    n = 0
+                moved = False
+                if n:
+                    batches, probe_state = self._take(n), _ProbeState(self.fm)
+                    with self.fm.measure(optimizers, batches, step=self.t) as m:
+                        yield m
+                    moved = bool(m.moved)
+                else:
+                    with self._plain():
+                        yield None
+                skip = not moved and watch is not None and watch.skipped()
+            if n and moved:
+                self._owed = 0
+                self._stalled_since, self._stall_steps, self._stall_noted = None, 0, False
+                self._measured(m)
+            elif n:
+                # the next step measured is probed on these batches, with these omegas
+                self._feed.give_back(batches)
+                probe_state.restore()
+                self._defer(n, _SKIPPED if skip else _unchanged_reason(m))
+            if skip:
+                self._abandon()
             else:
-                with self._plain():
-                    yield None
-            skip = not moved and watch is not None and watch.skipped()
-        if n and moved:
-            self._owed = 0
-            self._stalled_since, self._stall_steps, self._stall_noted = None, 0, False
-            self._measured(m)
-        elif n:
-            # the next step measured is probed on these batches, with these omegas
-            self._feed.give_back(batches)
-            probe_state.restore()
-            self._defer(n, _SKIPPED if skip else _unchanged_reason(m))
-        if skip:
-            self._abandon()
-        else:
-            self._finish()
-            self.t += 1
+                self._finish()
+                self.t += 1
+        finally:
+            self._in_round = False
 
     # ------------------------------------------------------------------ hooks of a subclass
 

@@ -323,6 +323,8 @@ class FLeRM(StepController):
         self.min_fslr = float(min_fslr)
         self.base = base
         self.names: list[str] = []
+        self.history: list[SetPoint] = []
+        self._late_pending: set[str] = set()  # static: joined after the set point, unmatched
         self._adopt()
         self.targets.check(self.names)
         self.targets.check_unknown(
@@ -330,7 +332,6 @@ class FLeRM(StepController):
         )
         self.lr0 = self.targets.lr0
         self.ratios: dict[str, float] = {}
-        self.history: list[SetPoint] = []
         self._rates: Rates = {}
         self._before: dict[str, Tensor] = {}
         self._point: SetPoint | None = None
@@ -389,7 +390,13 @@ class FLeRM(StepController):
         names = [n for n, p in params.items() if p.requires_grad and id(p) in held]
         if self.names:  # tensors that joined the optimiser since (add_param_group) are late:
             # matched if the record has them, else held at their group's rate with a note
-            self.targets.late.update(n for n in names if n not in self.names)
+            joined = [n for n in names if n not in self.names]
+            self.targets.late.update(joined)
+            if joined and self.history and self.plan.every is None:
+                # static mode past its set point: a set point of their own, now (warm-up
+                # probes included); the other tensors keep their ratios
+                self._late_pending.update(joined)
+                self._owed = max(self._owed, self.plan.warmup_probes)
         if names != self.names:
             self.names = names + [n for n in self.names if n not in names]
 
@@ -496,7 +503,11 @@ class FLeRM(StepController):
         factors = self.feature_factors or {}
         wanted = {n: t * factors.get(n, 1.0) for n, t in targets.items()}
         matched = match(wanted, measured, lr0=self.lr0, min_fslr=self.min_fslr, max_rate=limits)
-        self.ratios.update(matched.ratios)
+        if self._late_pending:  # static: the set point of tensors that joined since
+            self.ratios.update({n: r for n, r in matched.ratios.items() if n in self._late_pending})
+            self._late_pending.clear()
+        else:
+            self.ratios.update(matched.ratios)
         if self.scheduler is None and "initial_lr" in self.optimizer.param_groups[0]:
             warnings.warn(
                 "FLeRM: a scheduler is attached to the optimizer but was not passed as "
@@ -613,6 +624,7 @@ class FLeRM(StepController):
             "history": [asdict(p) for p in self.history],
             "feature_factors": self.feature_factors,
             "late": sorted(self.targets.late),
+            "late_pending": sorted(self._late_pending),
         }
 
     def _load_own_state(self, state: Mapping[str, Any]) -> None:
@@ -631,6 +643,7 @@ class FLeRM(StepController):
         )
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
         self.targets.late |= {str(n) for n in state.get("late", ())}
+        self._late_pending = {str(n) for n in state.get("late_pending", ())}
 
 
 def _power(x: float, p: float) -> float:

@@ -32,6 +32,7 @@ __all__ = [
     "Scaling",
     "group_lr",
     "group_rates",
+    "initial_lr",
     "rates_in_force",
     "scaling_of",
     "scaling_registry",
@@ -48,6 +49,23 @@ def group_lr(group: dict[str, Any]) -> float:
     """
     lr = group["lr"]
     return float(lr.item() if isinstance(lr, Tensor) else lr)
+
+
+def initial_lr(group: dict[str, Any]) -> Any:
+    """The group's ``initial_lr``, set to its current rate where no scheduler set one
+    (``ReduceLROnPlateau``, a group added after the scheduler was built). A tensor rate is
+    copied, as torch's schedulers do: the plateau scheduler cuts ``lr`` in place, and an
+    ``initial_lr`` that were the same tensor would follow it (a ratio of 1 forever).
+
+    Examples:
+        >>> group = {"lr": torch.tensor(0.5)}
+        >>> initial_lr(group) is group["lr"], float(group["initial_lr"])
+        (False, 0.5)
+    """
+    if "initial_lr" not in group:
+        lr = group["lr"]
+        group["initial_lr"] = lr.clone() if isinstance(lr, Tensor) else lr
+    return group["initial_lr"]
 
 
 @dataclass

@@ -48,7 +48,7 @@ from ..probe.functional import Inputs
 from ..probe.names import unwrapped
 from .controller import LogFn, StepController, trainable_shapes
 from .feature_gains import require_readout, step_gains
-from .rates import group_lr, rates_in_force, when_final
+from .rates import group_lr, initial_lr, rates_in_force, when_final
 from .wrapper import FSLRModule, Measurement
 
 __all__ = ["LogFn", "Recorder", "schedule_ratio"]
@@ -76,7 +76,7 @@ def schedule_ratio(
     if scheduler is not None:
         # every scheduler acts on the group's rate; ReduceLROnPlateau, SequentialLR and
         # ChainedScheduler have no base_lrs of their own, and a plateau sets no initial_lr
-        initial = [group_lr({"lr": g.setdefault("initial_lr", g["lr"])}) for g in groups]
+        initial = [group_lr({"lr": initial_lr(g)}) for g in groups]
         k = next((k for k, lr in enumerate(initial) if lr), 0)
         return group_lr(groups[k]) / (initial[k] or base_lr)
     return next((lr for g in groups if (lr := group_lr(g))), 0.0) / base_lr

@@ -47,6 +47,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 from types import TracebackType
@@ -61,7 +62,14 @@ from ..probe.functional import all_finite, is_dtensor
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["StepAborted", "StepHooks", "StepWatch", "unwrap_optimizer", "unwrap_scheduler"]
+__all__ = [
+    "StepAborted",
+    "StepHooks",
+    "StepWatch",
+    "nested_step",
+    "unwrap_optimizer",
+    "unwrap_scheduler",
+]
 
 
 class StepAborted(RuntimeError):
@@ -101,6 +109,52 @@ def unwrap_scheduler(scheduler: Any) -> Any:
     """
     inner = getattr(scheduler, "scheduler", None)
     return inner if isinstance(inner, torch.optim.lr_scheduler.LRScheduler) else scheduler
+
+
+def _hook_runner_code() -> Any:
+    """The code object of torch's step-hook runner (``Optimizer.profile_hook_step``'s
+    wrapper), or ``None`` if this torch has none."""
+    wrap = getattr(torch.optim.Optimizer, "profile_hook_step", None)
+    return getattr(wrap(lambda *a, **k: None), "__code__", None) if callable(wrap) else None
+
+
+_HOOK_RUNNER = _hook_runner_code()
+
+
+def nested_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether this call of ``optimizer``'s step hooks is nested in another of its steps.
+
+    torch wraps each optimiser class's ``step`` with its hook runner when the class is first
+    built; a subclass whose ``step`` calls ``super().step()`` therefore runs the hooks twice,
+    one call inside the other, once the parent class has been built too. Only the outer call
+    is a step: this tells the inner one by finding the runner of the same optimiser twice on
+    the call stack.
+
+    Examples:
+        >>> class Logged(torch.optim.SGD):
+        ...     def step(self, closure=None):
+        ...         return super().step(closure)
+        >>> w = torch.nn.Parameter(torch.ones(1))
+        >>> _ = torch.optim.SGD([w], lr=0.1)  # SGD.step wrapped too
+        >>> opt = Logged([w], lr=0.1)
+        >>> seen = []
+        >>> _ = opt.register_step_pre_hook(lambda o, a, k: seen.append(nested_step(o)))
+        >>> w.grad = torch.ones(1)
+        >>> _ = opt.step()
+        >>> seen
+        [False, True]
+    """
+    if _HOOK_RUNNER is None:
+        return False
+    runs = 0
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _HOOK_RUNNER and frame.f_locals.get("self") is optimizer:
+            runs += 1
+            if runs > 1:
+                return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 def _skipped_by_scaler(optimizer: torch.optim.Optimizer) -> bool:
@@ -197,7 +251,7 @@ class StepHooks(_OptimizerHooks):
         return bool(self._handles)
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._busy:
+        if self._busy or nested_step(optimizer):
             return
         key = id(optimizer)
         self._skipped.discard(key)  # (left by a skipped step that raised)
@@ -234,6 +288,8 @@ class StepHooks(_OptimizerHooks):
         self._entered.add(key)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if nested_step(optimizer):
+            return
         if id(optimizer) in self._skipped:
             self._skipped.discard(id(optimizer))
             return

@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 from ..probe.functional import is_dtensor
-from .rates import Scaling, group_lr, scaling_registry
+from .rates import Scaling, group_lr, initial_lr, scaling_registry
 
 __all__ = ["Snapshots", "UpdateScaler", "check_scalable", "scale_updates", "snapshot"]
 
@@ -261,7 +261,7 @@ class UpdateScaler:
         """
         if scheduled:
             for g in self.optimizer.param_groups:
-                g.setdefault("initial_lr", g["lr"])
+                initial_lr(g)
         return {id(p) for g in self.optimizer.param_groups for p in g["params"]}
 
     def schedules(self, name_of: Mapping[int, str]) -> dict[str, tuple[float, float]]:

@@ -102,6 +102,47 @@ def test_attaching_twice_is_refused_until_the_first_hooks_are_detached() -> None
     assert rec.record.steps == [0, 2]
 
 
+def test_a_with_block_on_an_attached_or_open_controller_is_refused() -> None:
+    # both counted every training step twice: t went 0, 2, 4 and a set point at step 3 was
+    # never reached, silently
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=2)
+    with rec.attach(), pytest.raises(RuntimeError, match="is attached: its hooks already"):
+        rec.step()
+    backward(fm, 0)
+    with rec.step():
+        with pytest.raises(RuntimeError, match=r"step\(\) blocks cannot be nested"), rec.step():
+            pass
+        opt.step()
+    train(fm, [opt], 2, around=rec.step)  # the refused blocks left nothing open
+    assert rec.t == 3
+
+
+class LoggedAdam(torch.optim.Adam):
+    """A subclass whose ``step`` calls ``super().step()``: torch runs its step hooks twice,
+    one call inside the other, once ``Adam`` itself has been built in the process."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        return super().step(closure)
+
+
+def test_an_optimiser_subclass_calling_super_step_is_one_step_in_the_hooks_form() -> None:
+    # the inner hooks were read as a step that raised: a warning at every step, twice the
+    # probe batches, other FSLRs than Adam's
+    torch.optim.Adam(model().parameters())  # Adam.step wrapped, as after any Adam run
+    records = []
+    for cls in (torch.optim.Adam, LoggedAdam):
+        fm = model()
+        opt = cls(fm.parameters(), lr=1e-2)
+        rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=2)
+        with rec.attach():
+            train(fm, [opt], 5)
+        assert rec.probes_used == 4
+        records.append(rec.record)
+    assert records[0].fslr == records[1].fslr and records[1].steps == [0, 2, 4]
+
+
 class Boom(torch.optim.SGD):
     def step(self, closure: Any = None) -> Any:  # type: ignore[override]
         raise RuntimeError("boom")

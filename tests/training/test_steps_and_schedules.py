@@ -179,6 +179,26 @@ def test_tensor_frozen_or_group_zeroed_mid_run_drops_out_with_a_note() -> None:
     assert rec.record.at(5)["2.weight"] == rec.record.at(3)["2.weight"]
 
 
+def test_a_plateau_cutting_a_tensor_rate_in_place_is_recorded() -> None:
+    # ReduceLROnPlateau sets no initial_lr and cuts a tensor rate in place: the Recorder's
+    # initial_lr was the same tensor, so the record said sched 1 at every cut
+    def recorded(lr: float | torch.Tensor) -> FSLRRecord:
+        fm = model()
+        opt = torch.optim.Adam(fm.parameters(), lr=lr)
+        plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, patience=0, factor=0.1)
+        rec = Recorder(fm, stream(1), optimizer=opt, warmup_samples=4, every=2, scheduler=plateau)
+        for t in range(5):
+            opt.zero_grad()
+            backward(fm, t)
+            with rec.step():
+                opt.step()
+            plateau.step(1.0)  # no improvement: a cut after every step
+        return rec.record
+
+    as_tensor = recorded(torch.tensor(1e-2, dtype=torch.float64))
+    assert as_tensor.sched == pytest.approx(recorded(1e-2).sched) and as_tensor.sched[-1] < 0.01
+
+
 def test_add_param_group_after_flerm_is_adopted() -> None:
     base = record()
     fm = model(width=20)
@@ -198,6 +218,29 @@ def test_add_param_group_after_flerm_is_adopted() -> None:
         sched.step()
     assert flerm.names == ["0.weight", "0.bias", "2.weight", "2.bias"]
     assert sorted(flerm.history[-1].lrs) == sorted(flerm.names)
+
+
+def test_static_flerm_matches_a_tensor_that_joins_after_its_set_point() -> None:
+    # was: static mode had no set point after its first, so a tensor unfrozen later trained
+    # at its group's rate (28x its matched rate in the report), with no note
+    base = record()
+    fm = model(width=20)
+    hidden = fm.module[0].weight
+    hidden.requires_grad_(False)  # unfrozen at step 2 (gradual unfreezing)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    flerm = ff.FLeRM(fm, opt, base, probe_batches=stream(1), warmup_samples=8)
+    for t in range(4):
+        if t == 2:
+            hidden.requires_grad_(True)
+        opt.zero_grad()
+        backward(fm, t)
+        with flerm.step():
+            opt.step()
+        if t == 0:
+            first = dict(flerm.ratios)
+    assert [p.step for p in flerm.history] == [0, 2] and "0.weight" not in first
+    assert flerm.ratios == {**first, "0.weight": flerm.ratios["0.weight"]}  # others kept
+    assert flerm.lrs()["0.weight"] != 1e-2
 
 
 def test_optimiser_over_a_subset_of_the_model() -> None:

@@ -62,6 +62,9 @@ def _zero(params: Any) -> torch.optim.Optimizer:
 OPTIMISERS: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], ...]] = {
     "SGD": (lambda p: torch.optim.SGD(p, lr=LR, momentum=0.9),),
     "Adam": (lambda p: torch.optim.Adam(p, lr=LR),),
+    # a tensor rate, which ReduceLROnPlateau cuts in place (an initial_lr that was the same
+    # tensor followed it: FLeRM and the Recorder saw a ratio of 1 after every cut)
+    "Adam-tensor-lr": (lambda p: torch.optim.Adam(p, lr=torch.tensor(LR)),),
     "AdamW-forloop": (lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.1, foreach=False),),
     "AdamW-foreach": (lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.1, foreach=True),),
     "AdamW-fused": (lambda p: torch.optim.AdamW(p, lr=LR, weight_decay=0.1, fused=True),),
