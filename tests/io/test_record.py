@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -336,25 +337,34 @@ def test_mean_near_float_max_does_not_overflow() -> None:
     assert FSLRRecord.mean([simple([0.0]), simple([0.0])]).fslr["a"] == [0.0]
 
 
-def test_flerm_with_absurd_base_fslr_holds_instead_of_overflowing_adam() -> None:
-    # issue 10: a base FSLR of 1e300 gave a rate of ~1e298; Adam raised "value cannot be
-    # converted to type float without overflow" (or wrote inf into the weights)
+def _train_on(base_of: Callable[[list[str]], FSLRRecord], steps: int) -> tuple[Any, Any]:
+    """FLeRM on a tiny MLP with Adam at 0.01 from ``base_of(tensor names)``, ``steps`` steps."""
     import fslr_func as ff
 
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
     fm = ff.with_fslr(net, samples=4, seed=0)
     opt = torch.optim.Adam(fm.parameters(), lr=0.01)
-    fslr = {n: [1e300 if n == "0.weight" else 0.1] for n, _ in net.named_parameters()}
-    base = FSLRRecord(steps=[0], fslr=fslr, meta={"base_lr": 0.01, "sched_per_step": [1.0] * 2})
+    base = base_of([n for n, _ in net.named_parameters()])
     flerm = ff.FLeRM(fm, opt, base, probe_batches=[torch.randn(16, 4)], warmup_samples=4)
     x = torch.randn(16, 4)
+    for _ in range(steps):
+        opt.zero_grad()
+        fm(x).square().mean().backward()
+        with flerm.step():
+            opt.step()
+    return flerm, net
+
+
+def test_flerm_with_absurd_base_fslr_holds_instead_of_overflowing_adam() -> None:
+    # issue 10: a base FSLR of 1e300 gave a rate of ~1e298; Adam raised "value cannot be
+    # converted to type float without overflow" (or wrote inf into the weights)
+    def base(names: list[str]) -> FSLRRecord:
+        fslr = {n: [1e300 if n == "0.weight" else 0.1] for n in names}
+        return FSLRRecord(steps=[0], fslr=fslr, meta={"base_lr": 0.01, "sched_per_step": [1.0] * 2})
+
     with pytest.warns(RuntimeWarning, match=r"too large.*'0\.weight'"):
-        for _ in range(2):
-            opt.zero_grad()
-            fm(x).square().mean().backward()
-            with flerm.step():
-                opt.step()
+        flerm, net = _train_on(base, 2)
     assert flerm.history[0].held == ("0.weight",) and flerm.lrs()["0.weight"] == 0.01
     assert all(torch.isfinite(p).all() for p in net.parameters())
 
@@ -364,26 +374,15 @@ def test_flerm_with_absurd_schedule_ratio_holds_instead_of_overflowing(field: st
     # A schedule ratio of 1e300 (valid in the schema) multiplied the matched ratio after the
     # overflow check: Adam raised "value cannot be converted to type float without overflow"
     # inside torch._foreach_lerp_ (1e30: inf and NaN in the weights, no warning)
-    import fslr_func as ff
+    def base(names: list[str]) -> FSLRRecord:
+        fslr = {n: [0.1] for n in names}
+        if field == "sched":
+            return FSLRRecord(steps=[0], fslr=fslr, sched=[1e300], meta={"base_lr": 0.01})
+        meta = {"base_lr": 0.01, "sched_per_step": [1.0, 1e300, 1.0]}
+        return FSLRRecord(steps=[0], fslr=fslr, meta=meta)
 
-    torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2))
-    fm = ff.with_fslr(net, samples=4, seed=0)
-    opt = torch.optim.Adam(fm.parameters(), lr=0.01)
-    fslr = {n: [0.1] for n, _ in net.named_parameters()}
-    meta: dict[str, Any] = {"base_lr": 0.01, "sched_per_step": [1.0, 1e300, 1.0]}
-    sched = [1.0]
-    if field == "sched":
-        meta, sched = {"base_lr": 0.01}, [1e300]
-    base = FSLRRecord(steps=[0], fslr=fslr, sched=sched, meta=meta)
-    flerm = ff.FLeRM(fm, opt, base, probe_batches=[torch.randn(16, 4)], warmup_samples=4)
-    x = torch.randn(16, 4)
     with pytest.warns(RuntimeWarning, match=r"schedule ratio.*past the square root.*'0\.weight'"):
-        for _ in range(3):
-            opt.zero_grad()
-            fm(x).square().mean().backward()
-            with flerm.step():
-                opt.step()
+        _, net = _train_on(base, 3)
     assert all(torch.isfinite(p).all() for p in net.parameters())
 
 
