@@ -33,7 +33,7 @@ import inspect
 import io
 import os
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
@@ -128,12 +128,22 @@ def _probe_collate(collate: Any) -> Any:
 
 class _ProbeInputs:
     """Re-iterable probe batches: collated dicts without ``labels``, their tensors on the
-    Trainer's device (as it moves a training batch), ``use_cache=False``."""
+    Trainer's device (as it moves a training batch), ``use_cache=False``. An encoder-decoder
+    model (T5, BART) derives its decoder's inputs from ``labels``: where a batch has labels
+    but no ``decoder_input_ids``, they are made from the labels as the model makes them
+    (``prepare_decoder_input_ids_from_labels``) before the labels are dropped."""
 
-    def __init__(self, loader: DataLoader[Any], use_cache: bool, device: torch.device) -> None:
+    def __init__(
+        self,
+        loader: DataLoader[Any],
+        use_cache: bool,
+        device: torch.device,
+        decoder_inputs: Callable[..., torch.Tensor] | None = None,
+    ) -> None:
         self.loader = loader
         self.use_cache = use_cache
         self.device = device
+        self.decoder_inputs = decoder_inputs
 
     def __iter__(self) -> Iterator[dict[str, Any]]:
         for batch in self.loader:
@@ -145,6 +155,14 @@ class _ProbeInputs:
                 for k, v in batch.items()
                 if k != "labels"
             }
+            labels = batch.get("labels")
+            if (
+                self.decoder_inputs is not None
+                and isinstance(labels, torch.Tensor)
+                and "decoder_input_ids" not in inputs
+                and "decoder_inputs_embeds" not in inputs
+            ):
+                inputs["decoder_input_ids"] = self.decoder_inputs(labels=labels.to(self.device))
             if self.use_cache:
                 inputs["use_cache"] = False
             yield inputs
@@ -186,10 +204,14 @@ class _Callback(TrainerCallback):
             collate_fn=_probe_collate(getattr(train_dataloader, "collate_fn", None)),
         )
         use_cache = "use_cache" in inspect.signature(model.forward).parameters
+        decoder_inputs = getattr(model, "prepare_decoder_input_ids_from_labels", None)
         if state.global_step > 0:
             self._resume(os.path.join(_out(args), f"checkpoint-{state.global_step}"), state)
         self.session.start(
-            model, optimizer, lr_scheduler, _ProbeInputs(loader, use_cache, args.device)
+            model,
+            optimizer,
+            lr_scheduler,
+            _ProbeInputs(loader, use_cache, args.device, decoder_inputs),
         )
 
     def _resume(self, folder: str, state: TrainerState) -> None:

@@ -239,3 +239,57 @@ def test_resume_never_takes_the_fslr_state_of_another_runs_checkpoint(tmp_path: 
         saved.write_bytes(damaged)
         with pytest.raises(ValueError, match=r"checkpoint-1/fslr_state\.pt' cannot be read"):
             run("a", 1e-2, resume=str(tmp_path / "a" / "checkpoint-1"))
+
+
+@pytest.mark.parametrize("arch", ["t5", "bart"])
+def test_an_encoder_decoder_probe_feeds_the_decoder_the_labels_shifted(
+    tmp_path: Path, arch: str
+) -> None:
+    # The probe batches dropped `labels`, the decoder's only source of inputs: T5 raised at
+    # the first probe; BART fell back to its encoder input shifted right, so the probe
+    # measured another function than training's, silently
+    import transformers
+
+    from fslr_func.integrations.transformers import FSLRCallback
+
+    torch.manual_seed(0)
+    model = (
+        transformers.T5ForConditionalGeneration(
+            transformers.T5Config(
+                num_layers=1, num_decoder_layers=1, d_model=16, d_kv=8, d_ff=32, num_heads=2,
+                vocab_size=32, decoder_start_token_id=0, pad_token_id=0,
+            )
+        )
+        if arch == "t5"
+        else transformers.BartForConditionalGeneration(
+            transformers.BartConfig(
+                encoder_layers=1, decoder_layers=1, d_model=16, encoder_ffn_dim=32,
+                decoder_ffn_dim=32, encoder_attention_heads=2, decoder_attention_heads=2,
+                vocab_size=32, max_position_embeddings=32,
+            )
+        )
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(0)
+    rows = [
+        {
+            "input_ids": torch.randint(3, 32, (10,), generator=g).tolist(),
+            "attention_mask": [1] * 10,
+            "labels": torch.randint(3, 32, (6,), generator=g).tolist(),
+        }
+        for _ in range(8)
+    ]
+    shapes: list[tuple[int, ...]] = []
+    model.get_decoder().register_forward_pre_hook(
+        lambda m, a, kw: shapes.append(tuple(kw["input_ids"].shape)), with_kwargs=True
+    )
+    callback = FSLRCallback(rows[:4], every=1, warmup_samples=4, fslr_options={"seed": 0})
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
+        use_cpu=True, disable_tqdm=True, save_strategy="no",
+    )  # fmt: skip
+    transformers.Trainer(
+        model=model, args=args, train_dataset=rows, callbacks=[callback],
+        data_collator=transformers.default_data_collator,
+    ).train()  # fmt: skip
+    assert callback.session.record().steps == [0, 1]
+    assert set(shapes) == {(4, 6)}  # training's decoder inputs and the probe's: the labels'
