@@ -38,6 +38,7 @@ from .fallback import first_line, warn_once
 from .functional import (
     Inputs,
     OutputFn,
+    all_finite,
     as_output_tensor,
     check_inputs,
     check_output,
@@ -169,13 +170,24 @@ def exact(
                 )
         else:
             tangent = _autograd_jvp(flat_output, primal, direction, backward_context)
+        if use_jvp and not all_finite(tangent):
+            # a forward-mode formula can overflow where the result does not: LayerNorm's
+            # tangent holds rstd**3, past float16's maximum for an input spread of 0.02
+            tangent = _autograd_jvp(flat_output, primal, direction, backward_context)
+            warn_once(
+                model,
+                "exact-jvp-overflow",
+                f"forward-mode AD overflowed in {primal.dtype} inside {type(model).__name__}'s "
+                "forward; exact computes such tensors by a double vjp with plain autograd "
+                "(same result, two backward passes per tensor)",
+            )
         tangent = tangent.detach()  # an input with requires_grad gives J dW a graph to it
         result[name] = torch.ldexp(tangent.to(torch.float64).square().mean().sqrt(), -k)
         if not torch.isfinite(result[name]):
             raise ValueError(
                 f"J dW of {name!r} is not finite in the model's dtype {primal.dtype} even for "
-                "the update scaled to a largest entry of 1 (the forward-mode product "
-                "overflows): compute exact on a float32 copy of the model "
+                "the update scaled to a largest entry of 1 (forward mode and a double vjp "
+                "both overflow): compute exact on a float32 copy of the model "
                 "(copy.deepcopy(model).float())"
             )
     if not any(depends.values()):

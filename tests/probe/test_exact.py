@@ -70,6 +70,26 @@ def test_exact_of_a_half_precision_model_is_finite_where_the_float64_value_is(ex
     torch.testing.assert_close(got, want, rtol=4e-3, atol=0)
 
 
+def test_a_forward_mode_overflow_inside_a_half_precision_layernorm_falls_back():
+    # LayerNorm's tangent holds rstd**3: past float16's maximum for an input spread of 0.02
+    # (GPT-2's and BERT's embeddings at initialisation), where J dW itself is about 0.05;
+    # exact raised "not finite ... compute exact on a float32 copy"
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.LayerNorm(16), nn.Linear(16, 8))
+    nn.init.normal_(model[0].weight, std=0.02)
+    model = model.half()
+    x = torch.randint(0, 32, (4, 8))
+    g = torch.Generator().manual_seed(1)
+    delta = {
+        n: 1e-2 * torch.randn(p.shape, generator=g).half() for n, p in model.named_parameters()
+    }
+    with pytest.warns(RuntimeWarning, match="forward-mode AD overflowed in torch.float16"):
+        got = ff.exact(model, x, delta)
+    want = ff.exact(model.double(), x, {n: d.double() for n, d in delta.items()})
+    for n in delta:  # float16's precision
+        torch.testing.assert_close(got[n], want[n], rtol=0.05, atol=0)
+
+
 def test_exact_raises_where_a_half_precision_product_overflows_at_any_scale():
     model = nn.Linear(3, 1, bias=False).half()
     with torch.no_grad():
