@@ -48,7 +48,7 @@ from typing import Any
 
 from fslr_func.experiments.configs import DEMO, NORMS, SweepConfig, octaves, scale_key
 from fslr_func.experiments.mup import mup_init_task
-from fslr_func.experiments.summary import transferred
+from fslr_func.experiments.summary import bound_sign, transferred
 from fslr_func.experiments.sweep import SweepResult, builtin_task, format_table, run_sweep
 
 #: The two sweeps of the targets.
@@ -125,7 +125,11 @@ def report(
             "(mean +- sd; seeds)"
         )
         for label, t in got.items():
-            shift = "-" if t["shift"] is None else f"{'>=' if t['bound'] else ''}{t['shift']:+g}"
+            shift = (
+                "-"
+                if t["shift"] is None
+                else f"{bound_sign(t['shift'], t['bound'])}{t['shift']:+g}"
+            )
             seeds = ", ".join(f"{v:.3f}" for v in t["losses"])
             print(
                 f"{label:<9} 2^{math.log2(t['lr']):<+6.3g} {shift:<6} "

@@ -72,6 +72,7 @@ from typing import Any
 from fslr_func.experiments.cli_args import parse_lrs
 from fslr_func.experiments.configs import SweepConfig, octaves
 from fslr_func.experiments.matrix import adaptive_cell, two_width_cell
+from fslr_func.experiments.summary import bound_sign
 
 
 def _cell(model: str, steps: int, seeds: int, **overrides: Any) -> SweepConfig:
@@ -229,7 +230,7 @@ def _fmt(x: float | None, spec: str = ".3f") -> str:
 
 def _shift(entry: Mapping[str, Any]) -> str:
     s = entry.get("shift")
-    return "-" if s is None else f"{'>=' if entry.get('edge') else ''}{s:+g}"
+    return "-" if s is None else f"{bound_sign(s, bool(entry.get('edge')))}{s:+g}"
 
 
 def row(name: str, main: Mapping[str, Any], variant: Mapping[str, Any] | None = None) -> str:

@@ -74,6 +74,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=2, help="base seeds averaged")
     parser.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 3e-3, 1e-2, 3e-2])
     args = parser.parse_args()
+    for name in ("steps", "depth", "mult", "seeds"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be at least 1, got {getattr(args, name)}")
     torch.set_num_threads(1)  # tiny models: one thread is fastest
 
     deep = args.depth * args.mult

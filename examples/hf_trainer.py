@@ -139,6 +139,8 @@ if __name__ == "__main__":
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--lora", action="store_true", help="LoRA rank 2 -> 8 instead of width")
     cli = parser.parse_args()
+    if cli.steps < 2:  # step 0 is a warm-up from 0: nothing is recorded before step 1
+        parser.error(f"--steps must be at least 2, got {cli.steps}")
     full, resumed = main(cli.out, cli.steps, cli.arch, cli.precision, cli.lora)
     same = all(
         torch.equal(a, b)

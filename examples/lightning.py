@@ -105,7 +105,8 @@ def main(out: str, steps: int = 4, precision: str = "bf16-mixed") -> tuple[Class
 
     wide = os.path.join(out, "wide")
     full = fit(64, wide, callback(), steps, None, precision)
-    half = os.path.join(wide, f"step-{steps // 2}.ckpt")
+    # the checkpoint at the last epoch end (every 2 steps) at or before half way
+    half = os.path.join(wide, f"step-{max(2, steps // 4 * 2)}.ckpt")
     resumed = fit(64, wide, callback(), steps, half, precision)
     return full, resumed
 
@@ -113,9 +114,13 @@ def main(out: str, steps: int = 4, precision: str = "bf16-mixed") -> tuple[Class
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="pl_flerm")
-    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--steps", type=int, default=4, help="optimiser steps, at least 2 (the first checkpoint)"
+    )
     parser.add_argument("--precision", default="bf16-mixed", help="Lightning's precision")
     cli = parser.parse_args()
+    if cli.steps < 2:  # step 0 is a warm-up from 0 (nothing recorded); it resumes at step 2
+        parser.error(f"--steps must be at least 2, got {cli.steps}")
     full, resumed = main(cli.out, cli.steps, cli.precision)
     same = all(
         torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters(), strict=True)

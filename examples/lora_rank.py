@@ -237,6 +237,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         help="smoke run: ranks 2 and 8, 3 rates, 1 seed, 30 steps, 50 pretraining steps",
     )
     args = parser.parse_args(argv)
+    for name in ("seeds", "jobs", "steps", "pretrain_steps"):
+        if getattr(args, name) < 1:
+            parser.error(
+                f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}"
+            )
+    if min(args.ranks) < 1 or args.start_step < 0:
+        parser.error("--ranks must be at least 1 and --start-step at least 0")
     if args.quick:
         args.ranks, args.steps, args.pretrain_steps, args.seeds = [2, 8], 30, 50, 1
         args.lrs = [2.0**-10, 2.0**-7, 2.0**-4]

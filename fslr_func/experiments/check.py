@@ -54,7 +54,7 @@ import contextlib
 import math
 import textwrap
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple, cast
 
 import torch
 
@@ -77,6 +77,15 @@ CHECK_MODES = ("standard", "mup", "flerm", "features")
 match="features")``)."""
 
 
+class _Run(NamedTuple):
+    """One short run's records: ``movement`` from step 1 (every mode alike: the movement
+    compared), ``start`` of step 0 (not under FLeRM, whose set point is step 0's probe; a
+    standard run's is FLeRM's base record, with the feature gains of the first update)."""
+
+    movement: FSLRRecord
+    start: FSLRRecord | None
+
+
 def _run(
     task: Task,
     base_scale: float,
@@ -93,9 +102,9 @@ def _run(
     base: FSLRRecord | None,
     policy: Any,
     gains: bool = False,
-) -> FSLRRecord:
-    """One short run at ``scale`` and its record (under FLeRM from ``base``, set at step 0;
-    with ``gains``, the feature gains of its first update in ``record.meta``)."""
+) -> _Run:
+    """One short run at ``scale`` (under FLeRM from ``base``, set at step 0) and its records
+    (with ``gains``, the feature gains of the first update in ``start.meta``)."""
     torch.manual_seed(seed)
     model = task.build(scale, seed)
     params: Any = model.parameters()
@@ -105,15 +114,23 @@ def _run(
         )
     fm = with_fslr(model, samples=samples, seed=seed, output_fn=task.output_fn, strategy="vmap")
     opt = make_optimizer(optimizer, params, lr)
-    recorder = Recorder(  # from step 1 under FLeRM, whose set point measures step 0
-        fm,
-        task.probe_batches(seed),
-        optimizer=opt,
-        warmup_samples=warmup_samples,
-        every=every,
-        start_step=1 if mode in ("flerm", "features") else 0,
-        feature_gains=gains,
-    )
+
+    def recorder(start_step: int, **options: Any) -> Recorder:
+        return Recorder(
+            fm,
+            task.probe_batches(seed),
+            optimizer=opt,
+            warmup_samples=warmup_samples,
+            start_step=start_step,
+            **options,
+        )
+
+    # The movement from step 1 in every mode: FLeRM's set point measures step 0, before its
+    # rates apply. The wrapper's EMAs are shared, so every mode warms them up at step 0 as
+    # FLeRM's set point does (a recorder of step 0 alone), and the modes' columns at the base
+    # scale, where every mode is the same run, are equal.
+    movement = recorder(1, every=every)
+    start = None if mode in ("flerm", "features") else recorder(0, every=None, feature_gains=gains)
     flerm = None
     if mode in ("flerm", "features"):
         assert base is not None
@@ -132,11 +149,13 @@ def _run(
         with contextlib.ExitStack() as stack:
             if flerm is not None:
                 stack.enter_context(flerm.step())  # outer: the recorder sees FLeRM's rates
-            stack.enter_context(recorder.step())
+            for controller in (start, movement):
+                if controller is not None:
+                    stack.enter_context(controller.step())
             yield
 
     train(fm, task.train_batches(seed), opt, steps, task.loss_fn, around_step=around)
-    return recorder.record
+    return _Run(movement.record, None if start is None else start.record)
 
 
 def _movement(record: FSLRRecord) -> dict[str, float]:
@@ -214,15 +233,17 @@ def coord_check(
         "policy": task.policy or "identity",
     }
     try:
-        base = _run(task, ordered[0], ordered[0], lr, mode="standard", base=None, gains=True, **kw)
+        first = _run(task, ordered[0], ordered[0], lr, mode="standard", base=None, gains=True, **kw)
     except NoReadoutError as err:
         if "features" in modes:
             raise ValueError(f"mode 'features' measures the features: {err}") from err
-        base = _run(task, ordered[0], ordered[0], lr, mode="standard", base=None, **kw)
+        first = _run(task, ordered[0], ordered[0], lr, mode="standard", base=None, **kw)
+    assert first.start is not None
+    base = first.start
     measured = "feature_gain" in base.meta
-    runs = {("standard", ordered[0]): base}
+    runs = {("standard", ordered[0]): first}
 
-    def run(mode: str, scale: float) -> FSLRRecord:
+    def run(mode: str, scale: float) -> _Run:
         if (mode, scale) not in runs:
             gains = measured and mode == "standard"
             runs[mode, scale] = _run(
@@ -230,8 +251,12 @@ def coord_check(
             )
         return runs[mode, scale]
 
-    movements = {mode: [_movement(run(mode, s)) for s in ordered] for mode in modes}
-    gains = _hidden_gains([run("standard", s) for s in ordered]) if measured else None
+    movements = {mode: [_movement(run(mode, s).movement) for s in ordered] for mode in modes}
+    gains = (
+        _hidden_gains([cast(FSLRRecord, run("standard", s).start) for s in ordered])
+        if measured
+        else None
+    )
     names = [n for n in base.names if all(n in m for ms in movements.values() for m in ms)]
     out: dict[str, Any] = {}
     for mode, per_scale in movements.items():

@@ -335,6 +335,8 @@ def _check(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"argument --task: the task is the model and its data: drop {clash}")
         task = _user_task(args.task, parser)
         scales = tuple(args.scales or (1, 2, 4, 8))
+        if len(set(scales)) != len(scales):  # as a built-in model's scales are checked
+            parser.error(f"argument --scales: must be distinct, got {list(scales)}")
         what = task.name
     else:
         try:
@@ -408,8 +410,12 @@ def _user_task(spec: str, parser: argparse.ArgumentParser) -> Task:
         sys.path.insert(0, os.getcwd())
     try:
         found = getattr(importlib.import_module(module_name), attr)
-    except (ImportError, AttributeError) as err:
-        parser.error(f"argument --task: cannot import {spec!r}: {err}")
+    except (ImportError, AttributeError, TypeError, ValueError) as err:
+        # TypeError: a relative name ("./tasks.py", ".tasks"); ValueError: an empty part
+        parser.error(
+            f"argument --task: cannot import {spec!r}: {err} (MODULE is a module name, as "
+            "for `python -m`: tasks for ./tasks.py, run from its folder)"
+        )
     task = found() if callable(found) and not isinstance(found, Task) else found
     if not isinstance(task, Task):
         parser.error(

@@ -151,10 +151,30 @@ def readouts(model: nn.Module, base: nn.Module | Mapping[str, Any]) -> dict[str,
     out: dict[str, float] = {}
     for name, module in model.named_modules():
         if isinstance(module, nn.Linear):
-            fan_out, fan_in = mults[f"{name}.weight" if name else "weight"]
+            fan_out, fan_in = _weight_mults(model, mults, name)
             if fan_out is None and fan_in is not None:
                 out[name] = fan_in
     return out
+
+
+def _weight_mults(model: nn.Module, mults: Mults, module: str) -> tuple[float | None, ...]:
+    """The width multipliers of ``module``'s weight.
+
+    Raises:
+        ValueError: the weight is tied to another tensor (an embedding shared with the
+            readout), which ``named_parameters()`` names only once: muP's rule for a shared
+            readout (the package's ``MuSharedReadout``) is not implemented here.
+    """
+    name = f"{module}.weight" if module else "weight"
+    if name in mults:
+        return mults[name]
+    weight = model.get_submodule(module).weight
+    shared = [n for n, p in model.named_parameters(remove_duplicate=False) if p is weight]
+    raise ValueError(
+        f"muP: {name} is tied to {shared[0] if shared else 'another tensor'}, and muP's rule "
+        "for a shared readout is not implemented here: untie the weights, or leave muP out "
+        "of the comparison"
+    )
 
 
 def mup_groups(
@@ -246,7 +266,7 @@ def apply_mup(
                 module.bias.mul_(math.sqrt(m))
             module.register_forward_pre_hook(functools.partial(_scale_input, 1.0 / m))
         elif module.bias is not None:
-            fan_in = mults[f"{name}.weight" if name else "weight"][1]
+            fan_in = _weight_mults(model, mults, name)[1]
             module.bias.mul_(math.sqrt(fan_in or 1.0))
     return mup_groups(model, base, lr, weight_decay=weight_decay, optimizer=optimizer)
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..io.record import FSLRRecord
+from .summary import shift_text
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -145,6 +146,12 @@ _OPTIMIZER_NAMES = {
 }
 
 
+def _optimizer_name(summary: Mapping[str, Any]) -> str:
+    """The sweep's optimiser as a figure names it (``"sgd"`` -> ``"SGD"``)."""
+    optimizer = str(summary.get("config", {}).get("optimizer", "adam"))
+    return _OPTIMIZER_NAMES.get(optimizer, optimizer)
+
+
 def plot_transfer(
     summary: Mapping[str, Any],
     path: str | os.PathLike[str],
@@ -189,8 +196,7 @@ def plot_transfer(
         for k in summary["modes"][m]["loss"]
     ]
     top = max((v for v in starts if v is not None), default=None)
-    optimizer = summary.get("config", {}).get("optimizer", "adam")
-    optimizer = _OPTIMIZER_NAMES.get(optimizer, optimizer)
+    optimizer = _optimizer_name(summary)
     names = {"standard": f"standard ({optimizer})", "mup": "muP", "flerm": "FLeRM"}
     for ax, mode in zip(axes, modes, strict=True):
         data = summary["modes"][mode]
@@ -211,9 +217,8 @@ def plot_transfer(
                     markeredgecolor="black",
                     zorder=5,
                 )
-        shift = data.get("shift_octaves")
-        bound = ">= " if data.get("shift_bound") else ""
-        note = "" if shift is None else f": optimum shift {bound}{shift:+.3g} octaves"
+        shift = shift_text(data.get("shift_octaves"), bool(data.get("shift_bound")))
+        note = f": optimum shift {shift}" if shift else ""
         if data.get("edge"):
             note += " (best lr on the grid's edge)"
         ax.set_title(f"{names.get(mode, mode)}{note}", fontsize=10)
@@ -472,7 +477,7 @@ def plot_sweep(
                 if builtin
                 else summary["task"]
             )
-            title = f"base {what}: FSLRs over time, Adam lr {lr:.3g}"
+            title = f"base {what}: FSLRs over time, {_optimizer_name(summary)} lr {lr:.3g}"
             written.append(plot_fslr_time(record, dest / "fslr_time.png", title=title))
     flr = modes.get("flerm", {}).get("best_lr", {}).get(base)
     if flr is not None:

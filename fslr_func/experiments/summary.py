@@ -27,7 +27,7 @@ from typing import Any
 from .configs import MODES, SweepConfig, scale_key
 from .run import RunSpec, finite_or_none
 
-__all__ = ["format_table", "summarise", "transferred"]
+__all__ = ["bound_sign", "format_table", "shift_text", "summarise", "transferred"]
 
 
 def _seed_mean(cell: list[Mapping[str, Any] | None], field: str) -> float | None:
@@ -181,15 +181,38 @@ def format_table(summary: Mapping[str, Any]) -> str:
         lines.append(f"{labels[sk]:<{w}} " + " ".join(cells))
     shifts = []
     for m in modes:
-        x = summary["modes"][m]["shift_octaves"]
-        bound = ">=" if summary["modes"][m].get("shift_bound") else ""
-        shifts.append(f"{'-' if x is None else f'{bound}{x:+.3g} octaves':<27}")
+        data = summary["modes"][m]
+        text = shift_text(data["shift_octaves"], bool(data.get("shift_bound")))
+        shifts.append(f"{text or '-':<27}")
     lines.append(f"{'shift':<{w}} " + " ".join(shifts))
     if any(summary["modes"][m].get("edge") for m in modes):
         lines.append(
-            "! best learning rate on the edge of the grid: widen --lrs (a shift >= is a bound)"
+            "! best learning rate on the edge of the grid: widen --lrs (a shift >= or <= is "
+            "a bound)"
         )
     return "\n".join(line.rstrip() for line in lines)
+
+
+def shift_text(shift: float | None, bound: bool) -> str:
+    """A shift as the table and the figures print it; ``bound``: a best rate on the grid's
+    edge, so the shift is at least this far from 0, in its direction (``>=+2``, ``<=-1``).
+
+    Examples:
+        >>> shift_text(-1.0, True), shift_text(2.0, True), shift_text(0.0, False)
+        ('<=-1 octaves', '>=+2 octaves', '+0 octaves')
+    """
+    return "" if shift is None else f"{bound_sign(shift, bound)}{shift:+.3g} octaves"
+
+
+def bound_sign(shift: float, bound: bool) -> str:
+    """``">="`` or ``"<="`` before a shift that is a bound (its true value is at least this
+    far from 0: a best rate on the grid's edge), else ``""``.
+
+    Examples:
+        >>> bound_sign(-1.0, True), bound_sign(1.0, True), bound_sign(1.0, False)
+        ('<=', '>=', '')
+    """
+    return (">=" if shift > 0 else "<=" if shift < 0 else "") if bound else ""
 
 
 def transferred(

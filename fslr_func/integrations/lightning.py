@@ -110,7 +110,7 @@ class FSLRCallback(RecordingCallback, _Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         super().on_train_end(trainer, pl_module)
         if trainer.is_global_zero:
-            self.session.save_record(trainer.default_root_dir)
+            self.session.save_record(trainer.default_root_dir, final=True)
 
 
 class FLeRMCallback(DrivingCallback, _Callback):

@@ -25,6 +25,7 @@ Examples:
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -146,12 +147,22 @@ class Session:
             raise RuntimeError("no base run is being recorded (start a recording session first)")
         return self.controller.record
 
-    def save_record(self, directory: str | os.PathLike[str]) -> None:
-        """Write the record so far to ``directory/fslr_record.json`` (nothing before a row)."""
+    def save_record(self, directory: str | os.PathLike[str], *, final: bool = False) -> None:
+        """Write the record so far to ``directory/fslr_record.json`` (nothing before a row;
+        ``final``, at the end of training: a warning says that no file was written)."""
         record = self.record()
         if len(record):
             os.makedirs(directory, exist_ok=True)
             record.save(os.path.join(directory, RECORD_FILE))
+        elif final:
+            warnings.warn(
+                f"training ended before any FSLR was recorded, so no {RECORD_FILE} was written "
+                f"to {os.fspath(directory)!r}: every probed step had a learning rate of 0 (a "
+                "warm-up from 0 longer than the run) or none was reached (start_step); train "
+                "for more steps, or record from a later step",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def _log(self, step: int, scalars: dict[str, float]) -> None:
         self._scalars.update(scalars)

@@ -296,7 +296,7 @@ class FSLRCallback(RecordingCallback, _Callback):
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kw: Any
     ) -> None:
         super().on_train_end(args, state, control, **kw)
-        self.session.save_record(_out(args))
+        self.session.save_record(_out(args), final=True)
 
 
 class FLeRMCallback(DrivingCallback, _Callback):

@@ -56,6 +56,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -167,22 +168,44 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
+def delta_fingerprint(delta: Mapping[str, Tensor]) -> int:
+    """A signed 64-bit digest of ``delta``'s names, shapes and dtypes (in name order): two
+    ranks whose updates hold as many elements in other tensors differ here.
+
+    Examples:
+        >>> a = {"w": torch.zeros(2, 3), "b": torch.zeros(6)}
+        >>> delta_fingerprint(a) == delta_fingerprint(dict(reversed(a.items())))
+        True
+        >>> delta_fingerprint(a) == delta_fingerprint({"w": torch.zeros(2, 3), "c": torch.zeros(6)})
+        False
+    """
+    layout = repr([(n, tuple(delta[n].shape), str(delta[n].dtype)) for n in sorted(delta)])
+    digest = hashlib.blake2b(layout.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little", signed=True)
+
+
 def _gather_layout(
     num_outputs: int,
-    num_params: int,
+    delta: Mapping[str, Tensor],
     samples: int,
+    chunk_size: int | None,
     group: ProcessGroup,
     reason: str | None = None,
 ) -> list[int]:
-    """All ranks' output sizes; checks that all ranks probe the same tensors and samples.
+    """All ranks' output sizes; checks that all ranks probe the same tensors (names, shapes,
+    dtypes), with the same samples and chunk size: any of them differing would pair other
+    gradients in the all-reduces, or issue a different number of them.
 
     Every rank sees the same gathered table, so on a mismatch, or a rank that could not probe
     (``num_outputs == _FAILED``, its error in ``reason``), every rank raises the same error
     (no hang, no abort): the failed ranks' reasons are gathered so that every rank names them.
     """
     _, world = rank_and_size(group)
+    num_params = sum(d.numel() for d in delta.values())
     local = torch.tensor(
-        [num_outputs, num_params, samples], dtype=torch.int64, device=collective_device(group)
+        [num_outputs, num_params, samples, chunk_size or 0, delta_fingerprint(delta)],
+        dtype=torch.int64,
+        device=collective_device(group),
     )
     table = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(table, local, group=group)
@@ -194,10 +217,18 @@ def _gather_layout(
             f"the probe failed on rank(s) {failed} ({why}): every rank leaves this probe; fix "
             "the failing rank's shard of the probe batch"
         )
-    if len({(r[1], r[2]) for r in rows}) != 1:
+    if len({tuple(r[1:]) for r in rows}) != 1:
+        other = next(k for k, r in enumerate(rows) if r[1:] != rows[0][1:])
         raise ValueError(
-            "ranks disagree on the probe: (probed parameter elements, samples) per rank = "
-            f"{[(r[1], r[2]) for r in rows]}; every rank must pass the same delta and samples"
+            "ranks disagree on the probe: (probed parameter elements, samples, chunk_size) per "
+            f"rank = {[(r[1], r[2], r[3] or None) for r in rows]}"
+            + (
+                f"; rank {other} probes other tensors than rank 0 (the names, shapes or dtypes "
+                "of delta differ: a parameter frozen on one rank only?)"
+                if rows[other][4] != rows[0][4]
+                else ""
+            )
+            + "; every rank must pass the same delta, samples and chunk_size"
         )
     return [r[0] for r in rows]
 
@@ -263,11 +294,11 @@ class DataParallelReduction:
         delta: Mapping[str, Tensor],
         samples: int,
         generator: torch.Generator | None,
+        chunk_size: int | None = None,
     ) -> OmegaSlice:
         """Gather every rank's output size (checking that ranks agree) and place this rank."""
         rank, _ = rank_and_size(self.group)
-        num_params = sum(d.numel() for d in delta.values())
-        sizes = _gather_layout(num_outputs, num_params, samples, self.group)
+        sizes = _gather_layout(num_outputs, delta, samples, chunk_size, self.group)
         offset, total = omega_span(sizes, rank)
         if self.omega_draw == "global":
             return OmegaSlice(generator, total, offset, total)
@@ -294,14 +325,15 @@ class DataParallelReduction:
         duration (:func:`fslr_func.parallel.fsdp.gathered`); anything else as given."""
         return gathered(model, delta, params)
 
-    def abort(self, delta: Mapping[str, Tensor], samples: int) -> None:
+    def abort(
+        self, delta: Mapping[str, Tensor], samples: int, chunk_size: int | None = None
+    ) -> None:
         """Join the other ranks' layout gather as a rank that cannot probe, with the error
         being handled (``sys.exc_info``): every rank, this one included, raises the same
         ``ValueError`` naming the failed ranks and their errors, instead of waiting."""
         err = sys.exc_info()[1]
         reason = "it could not probe its shard" if err is None else _first_line(err)
-        num_params = sum(d.numel() for d in delta.values())
-        _gather_layout(_FAILED, num_params, samples, self.group, reason)
+        _gather_layout(_FAILED, delta, samples, chunk_size, self.group, reason)
 
 
 def probe(

@@ -250,15 +250,19 @@ class GradientReduction(Protocol):
         delta: Mapping[str, Tensor],
         samples: int,
         generator: torch.Generator | None,
+        chunk_size: int | None = None,
     ) -> OmegaSlice:
-        """This process's slice of the global omega, given its ``num_outputs`` elements."""
+        """This process's slice of the global omega, given its ``num_outputs`` elements
+        (``chunk_size``: the option's, which every process must share)."""
         ...
 
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """Per-sample gradients ``(chunk, *shape)`` summed over the processes."""
         ...
 
-    def abort(self, delta: Mapping[str, Tensor], samples: int) -> None:
+    def abort(
+        self, delta: Mapping[str, Tensor], samples: int, chunk_size: int | None = None
+    ) -> None:
         """Called instead of :meth:`omega_slice` when this process cannot probe (its forward or
         its checks raised): lets the other processes raise too rather than wait for it."""
         ...
@@ -353,7 +357,7 @@ def _run(
         )
     except Exception:  # a forward that fails on one rank's shard too: the others must know
         if reduction is not None:
-            reduction.abort(delta, options.samples)
+            reduction.abort(delta, options.samples, options.chunk_size)
         raise
     signature = setup.signature
     retriable = options.strategy in ("auto", "timed") and setup.strategy != "autograd"
@@ -426,7 +430,7 @@ def _sample(
     where = (
         OmegaSlice(generator, local, 0, local)
         if reduction is None
-        else reduction.omega_slice(local, delta, options.samples, generator)
+        else reduction.omega_slice(local, delta, options.samples, generator, options.chunk_size)
     )
     # The cotangent is omega / sqrt(M); the vjp is linear and every statistic is quadratic in
     # Z, so omega goes in unscaled and log M comes off the log statistics (no scaled copy).

@@ -28,6 +28,10 @@ def test_custom_task_standard_drifts_flerm_holds() -> None:
     assert "blocks.0.weight" in std["flagged"] and std["drift"]["blocks.0.weight"] > 4
     assert flerm["drift"]["blocks.0.weight"] < 2 and "blocks.0.weight" not in flerm["flagged"]
     assert all(len(v) == 2 for v in flerm["movement"].values())
+    # at 1x FLeRM sets every rate to the base's: the same run, so the same column (the
+    # standard run's EMAs warmed up at step 0 entered its movement, 5-20% apart)
+    for name, moved in std["movement"].items():
+        assert flerm["movement"][name][0] == pytest.approx(moved[0], rel=1e-9)
     mup = result["modes"]["mup"]  # muP: the same model at 1x, the hidden drift mostly removed
     assert mup["movement"]["blocks.0.weight"][0] == std["movement"]["blocks.0.weight"][0]
     assert mup["drift"]["blocks.0.weight"] < std["drift"]["blocks.0.weight"] / 2
@@ -176,6 +180,8 @@ def test_cli_check_runs_a_task_of_your_own(
         ("no_such_module_here:x", [], "cannot import"),
         ("my_tasks:NOT_A_TASK", [], "gives int, not a"),
         ("my_tasks:TASK", ["--model", "resmlp"], "drop ['--model']"),
+        ("./my_tasks.py:TASK", [], "MODULE is a module name"),  # was: TypeError, status 1
+        ("my_tasks:TASK", ["--scales", "1,1,2"], "--scales: must be distinct"),
     ],
 )
 def test_cli_check_task_refuses_what_is_not_a_task(

@@ -126,6 +126,17 @@ def test_rejects_unknown_optimiser_and_rank_change():
         width_mults(nn.Linear(4, 4), {"weight": (4,), "bias": (4,)})
 
 
+def test_a_readout_tied_to_the_embedding_is_a_clear_error():
+    # was KeyError('head.weight'): named_parameters() names a tied weight once
+    def tied(width: int) -> nn.Module:
+        model = nn.Sequential(nn.Embedding(5, width), nn.Linear(width, 5))
+        model[1].weight = model[0].weight
+        return model
+
+    with pytest.raises(ValueError, match=r"1\.weight is tied to 0\.weight.*shared readout"):
+        apply_mup(tied(8), tied(4), 0.01)
+
+
 # ---------------------------------------------------------------------------------- sweeps
 
 
@@ -202,7 +213,7 @@ def test_edge_of_grid_is_flagged():
     m = summary["modes"]["standard"]
     assert m["edge"] == ["2"] and m["shift_bound"] == "lower" and m["shift_octaves"] == -1.0
     table = format_table(summary)
-    assert "0.25 (2^-2)!" in table and ">=-1 octaves" in table and "edge of the grid" in table
+    assert "0.25 (2^-2)!" in table and "<=-1 octaves" in table and "edge of the grid" in table
 
 
 def test_train_takes_dict_inputs():

@@ -113,6 +113,17 @@ def _check_estimates(rank: int) -> None:
     # Ranks that disagree on the probe all raise (no rank is left waiting in a collective).
     with pytest.raises(ValueError, match="ranks disagree"):
         fd.probe(model, _shard(x_probe, rank), delta, samples=3 + rank)
+    # as many elements in other tensors (a bias frozen on one rank, another on the other):
+    # the all-reduces summed misaligned gradients, silently; another chunk_size: a different
+    # number of all-reduces, which aborted the process
+    biases = sorted(n for n in delta if n.endswith("bias") and delta[n].shape == (7,))
+    assert len(biases) == 2, biases
+    frozen = {n: d for n, d in delta.items() if n != biases[rank]}
+    with pytest.raises(ValueError, match="rank 1 probes other tensors than rank 0") as info:
+        fd.probe(model, _shard(x_probe, rank), frozen, samples=4)
+    _assert_same_message(str(info.value))
+    with pytest.raises(ValueError, match=r"ranks disagree.*\(\d+, 4, 2\), \(\d+, 4, 4\)"):
+        fd.probe(model, _shard(x_probe, rank), delta, samples=4, chunk_size=2 + 2 * rank)
 
     # A rank whose shard cannot be probed (empty; NaN in a one-shot estimate; a forward that
     # fails on it) makes every rank raise the same error, naming it and its error, instead of

@@ -395,14 +395,14 @@ def test_a_failed_collective_is_raised_not_retried_with_autograd() -> None:
     class Failing:
         calls = 0
 
-        def omega_slice(self, num_outputs, delta, samples, generator):  # type: ignore[no-untyped-def]
+        def omega_slice(self, num_outputs, delta, samples, generator, chunk_size=None):  # type: ignore[no-untyped-def]
             return OmegaSlice(generator, num_outputs, 0, num_outputs)
 
         def reduce(self, grads):  # type: ignore[no-untyped-def]
             Failing.calls += 1
             raise dist.DistBackendError("the peer went away")
 
-        def abort(self, delta, samples):  # type: ignore[no-untyped-def]
+        def abort(self, delta, samples, chunk_size=None):  # type: ignore[no-untyped-def]
             pass
 
         def gathered(self, model, delta, params):  # type: ignore[no-untyped-def]
