@@ -69,16 +69,21 @@ def require_readout(fm: FSLRModule, what: str) -> None:
 
 
 def hidden_fan_in(
-    shapes: Mapping[str, Sequence[int]], base_shapes: Mapping[str, Sequence[int]]
+    shapes: Mapping[str, Sequence[int]],
+    base_shapes: Mapping[str, Sequence[int]],
+    counterparts: Mapping[str, Sequence[str]] | None = None,
 ) -> dict[str, float]:
     """The *hidden* tensors of a scaled model and their fan-in multipliers: tensors of rank 2
     or more whose dims 0 and 1 (fan-out, fan-in) both differ from the base's (muP's two
-    infinite dimensions); a tensor the base lacks (an extra block) is compared with its role
-    in the base (:func:`fslr_func.probe.names.block_role`).
+    infinite dimensions); a tensor the base lacks (an extra block) is compared with its
+    counterpart in the base (the depth policy's, where given: any block pattern), else with
+    its role (:func:`fslr_func.probe.names.block_role`, the default pattern's).
 
     Args:
         shapes: the scaled model's tensor shapes, by name.
         base_shapes: the base model's (``FSLRRecord.shapes``).
+        counterparts: scaled name -> the base names a depth policy maps onto it
+            (:func:`fslr_func.training.policies.counterparts`).
 
     Examples:
         >>> base = {"0.weight": (16, 4), "0.bias": (16,), "1.weight": (16, 16), "1.bias": (16,)}
@@ -91,6 +96,9 @@ def hidden_fan_in(
     out: dict[str, float] = {}
     for name, shape in shapes.items():
         ref = tuple(base_shapes[name]) if name in base_shapes else roles.get(block_role(name))
+        mapped = [b for b in (counterparts or {}).get(name, ()) if b in base_shapes]
+        if name not in base_shapes and mapped:
+            ref = tuple(base_shapes[mapped[0]])
         if ref is None or len(shape) < 2 or len(ref) != len(shape):
             continue
         if shape[0] != ref[0] and shape[1] != ref[1]:

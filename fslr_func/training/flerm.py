@@ -285,6 +285,17 @@ class FLeRM(StepController):
             raise ValueError(f"mode must be 'static' or 'periodic', got {mode!r}")
         min_fslr = real(min_fslr, "min_fslr", low=0.0)
         feature_power = real(feature_power, "feature_power", above=0.0)
+        if feature_power != 1.0 and match == "output":
+            raise ValueError(
+                f"feature_power={feature_power:g} applies to the feature gains of "
+                "match='features' or 'features_all'; with match='output' it would change "
+                "nothing: pass one of those, or leave feature_power out"
+            )
+        if mode == "periodic" and every is None:
+            raise ValueError(
+                "mode='periodic' sets the rates every `every` steps: pass every=N (an int >= 1), "
+                "or mode='static' for one set point"
+            )
         # plain ints from here on (np.int64 too): they go into the saved state's config
         warmup_samples = integer(warmup_samples, "warmup_samples", low=1)
         every = None if every is None else integer(every, "every", low=1, optional=True)
@@ -546,7 +557,7 @@ class FLeRM(StepController):
         :func:`~fslr_func.training.feature_gains.hidden_fan_in`)."""
         prefix = self.fm.name_prefix
         shapes = {n.removeprefix(prefix): tuple(self.targets.params[n].shape) for n in self.names}
-        return hidden_fan_in(shapes, self.base.shapes)
+        return hidden_fan_in(shapes, self.base.shapes, self.targets.counterparts(self.names))
 
     def _warn_if_nothing_hidden(self) -> None:
         """Warn where ``match="features"`` cannot act: the model differs from the base (a

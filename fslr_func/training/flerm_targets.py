@@ -31,6 +31,7 @@ Examples:
 
 from __future__ import annotations
 
+import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Literal
@@ -250,14 +251,10 @@ class BaseTargets:
             self.base_names[b]: f * (rates[b] / lr0 / sched) if b in rates else f
             for b, f in fslr.items()
         }
+        lacking: list[str] = []
         if self.unknown == "hold":  # (with "error", check_unknown left none FLeRM drives)
             lacking = [self.base_names[b] for b in self.base.names if b not in fslr]
             moved.update(dict.fromkeys(lacking, 0.0))  # a zero target: held at the group's rate
-            note(
-                lacking,
-                f"FLeRM step {step}: the base record's FSLR of {{}} is unknown; they keep "
-                "their group's learning rate (unknown='hold')",
-            )
         bare, driven = self.bare, set(names)
         if self.one_to_one:
             present = set(bare.values())
@@ -278,12 +275,32 @@ class BaseTargets:
         else:
             model = self._mapped(driven)
         targets = policies.apply(self.policy, moved, model, allow_zero=True)
+        if lacking:
+            # held: every tensor that answers to an unknown base tensor (a policy summing
+            # blocks, L < B, would add the zero in as a smaller target)
+            unknown = set(lacking)
+            links = policies.counterparts(self.policy, list(moved), model)
+            held = [n for n in names if unknown & set(links.get(bare[n], ()))]
+            targets.update(dict.fromkeys((bare[n] for n in held), 0.0))
+            note(
+                held,
+                f"FLeRM step {step}: {{}} answer to base tensors whose FSLR the base record "
+                "does not know; they keep their group's learning rate (unknown='hold')",
+            )
         return {n: targets[bare[n]] for n in names if bare[n] in targets}
 
     def _mapped(self, driven: set[str]) -> list[str]:
-        """The bare names a policy that is not one-to-one maps: the trainable tensors and
-        those driven."""
-        return [self.bare[n] for n, p in self.params.items() if p.requires_grad or n in driven]
+        """The bare names a policy that is not one-to-one maps: the trainable tensors, those
+        driven, and frozen ones of a kind the record has (a name equal to a recorded one but
+        for its numbers, as a block's index): freezing a tensor does not change the
+        architecture, while the frozen weights under adapters, which the record lacks, are
+        no part of the mapping."""
+        recorded = {_kind(b) for b in self.base_names.values()}
+        return [
+            self.bare[n]
+            for n, p in self.params.items()
+            if p.requires_grad or n in driven or _kind(self.bare[n]) in recorded
+        ]
 
     def counterparts(self, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
         """For each tensor of ``names`` (bare name), the base tensors (bare names) whose
@@ -302,3 +319,13 @@ class BaseTargets:
         recorded = list(self.base_names.values())
         links = policies.counterparts(self.policy, recorded, self._mapped(set(names)))
         return {self.bare[n]: links[self.bare[n]] for n in names if self.bare[n] in links}
+
+
+def _kind(name: str) -> str:
+    """``name`` with its numbers blanked: the tensors of one kind in every block.
+
+    Examples:
+        >>> _kind("blocks.3.lin.bias") == _kind("blocks.0.lin.bias")
+        True
+    """
+    return re.sub(r"\d+", "#", name)

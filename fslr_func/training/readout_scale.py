@@ -54,13 +54,18 @@ from .wrapper_state import READOUT_SCALE_MARK
 __all__ = ["readout_width_scale", "scale_readout"]
 
 
-def readout_width_scale(shape: tuple[int, ...], base_shape: tuple[int, ...]) -> float:
+def readout_width_scale(
+    shape: tuple[int, ...], base_shape: tuple[int, ...], *, transposed: bool = False
+) -> float:
     r"""muP's readout scale :math:`\sqrt{n_\text{base} / n}` between two readout weight shapes,
-    the fan-in :math:`n` being the product of the dims after the first.
+    the fan-in :math:`n` being the product of the dims after the first (``transposed``: of
+    every dim but the second).
 
     Args:
         shape: the scaled model's readout weight shape (rank 2 or more).
         base_shape: the base model's (same rank).
+        transposed: the weight is stored ``(in, out, ...)``: a transposed convolution's, or
+            Hugging Face's ``Conv1D`` (GPT-2).
 
     Raises:
         ValueError: a weight of rank below 2 (no fan-in), or of another rank than the base's.
@@ -68,6 +73,8 @@ def readout_width_scale(shape: tuple[int, ...], base_shape: tuple[int, ...]) -> 
     Examples:
         >>> readout_width_scale((10, 256), (10, 32)), readout_width_scale((10, 64, 3), (10, 8, 3))
         (0.3535533905932738, 0.3535533905932738)
+        >>> readout_width_scale((256, 10), (32, 10), transposed=True)
+        0.3535533905932738
     """
     if len(shape) < 2 or len(shape) != len(base_shape):
         raise ValueError(
@@ -75,7 +82,20 @@ def readout_width_scale(shape: tuple[int, ...], base_shape: tuple[int, ...]) -> 
             f"{tuple(base_shape)} do not give a fan-in to compare: both must have rank 2 or "
             "more (out_features, in_features, ...), the same rank"
         )
-    return math.sqrt(math.prod(base_shape[1:]) / math.prod(shape[1:]))
+
+    def fan_in(dims: tuple[int, ...]) -> int:
+        return dims[0] * math.prod(dims[2:]) if transposed else math.prod(dims[1:])
+
+    return math.sqrt(fan_in(base_shape) / fan_in(shape))
+
+
+def _stored_transposed(module: nn.Module) -> bool:
+    """Whether ``module`` stores its weight ``(in, out, ...)``: a transposed convolution, or
+    Hugging Face's ``Conv1D`` (GPT-2's layers), known by its name so that this module needs
+    no import of ``transformers``."""
+    kind = type(module)
+    hf_conv1d = kind.__name__ == "Conv1D" and kind.__module__.startswith("transformers")
+    return isinstance(module, nn.modules.conv._ConvTransposeNd) or hf_conv1d
 
 
 def _find_readout(fm: FSLRModule, inputs: Inputs | None) -> str:
@@ -186,7 +206,9 @@ def scale_readout(
             f"recorded: {sorted(base.shapes)[:5]}): record the base run with this version's "
             "Recorder, on a model whose readout has the same name"
         )
-    scale = readout_width_scale(tuple(weight.shape), base_shape)
+    scale = readout_width_scale(
+        tuple(weight.shape), base_shape, transposed=_stored_transposed(module)
+    )
     with torch.no_grad():
         weight.mul_(scale)
     setattr(module, READOUT_SCALE_MARK, scale)

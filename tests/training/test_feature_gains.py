@@ -308,3 +308,15 @@ def test_matching_features_warns_where_no_tensor_is_hidden():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         ff.FLeRM(fm, opt, base, probe_batches=iter([]), match="features")
+
+
+def test_an_added_block_is_hidden_by_the_policys_counterpart_under_any_block_pattern() -> None:
+    # blocks named layer0, layer1, ... (torchvision's ResNet): the default role pattern does
+    # not see layer2 as a block, so a deeper model's added blocks got no feature factor
+    from fslr_func.training.feature_gains import hidden_fan_in
+
+    base = {"inp.weight": (16, 8), "layer0.lin.weight": (16, 16), "layer1.lin.weight": (16, 16)}
+    shapes = {f"layer{i}.lin.weight": (64, 64) for i in range(4)}
+    assert set(hidden_fan_in(shapes, base)) == {"layer0.lin.weight", "layer1.lin.weight"}
+    links = {f"layer{i}.lin.weight": (f"layer{i // 2}.lin.weight",) for i in range(4)}
+    assert hidden_fan_in(shapes, base, links) == dict.fromkeys(shapes, 4.0)

@@ -126,11 +126,15 @@ def test_a_tensor_frozen_in_the_scaled_run_is_not_another_architecture() -> None
     net.body.bias.requires_grad_(False)
     fm = ff.with_fslr(net, samples=4, seed=0)
     opt = torch.optim.Adam([p for p in fm.parameters() if p.requires_grad], lr=LR)
-    flerm = ff.FLeRM(fm, opt, base(adapter=False), probe_batches=probes(), warmup_samples=8)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        step(fm, opt, flerm, 0)
-    assert set(flerm.ratios) == {"body.weight", "head.weight", "head.bias"}
+    record = base(adapter=False)
+    # under every policy (share_blocks and equal refused it as "base tensors outside blocks
+    # absent from the scaled model")
+    for policy in ("identity", "share_blocks", "equal"):
+        flerm = ff.FLeRM(fm, opt, record, probe_batches=probes(), warmup_samples=8, policy=policy)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            step(fm, opt, flerm, 0)
+        assert set(flerm.ratios) == {"body.weight", "head.weight", "head.bias"}
 
 
 def test_a_run_with_a_late_tensor_resumes_exactly_when_rebuilt_as_it_was_built() -> None:

@@ -79,3 +79,16 @@ def test_real_options_refuse_bools_nan_and_out_of_range() -> None:
     with pytest.raises(ValueError, match="min_fslr must be a finite number >= 0"):
         ff.FLeRM(model(), torch.optim.SGD(model().parameters(), lr=0.1), ff.FSLRRecord(),
                  probe_batches=stream(), min_fslr=np.float64(-1.0))  # fmt: skip
+
+
+def test_options_that_would_change_nothing_are_refused() -> None:
+    # both were accepted and silently ignored: periodic mode without a period ran as static,
+    # and a feature power with output matching changed no rate
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    base = ff.FSLRRecord(steps=[0], fslr={n: [1.0] for n, _ in fm.named_parameters()})
+    base.meta["base_lr"] = 1e-2
+    with pytest.raises(ValueError, match=r"mode='periodic' sets the rates every `every` steps"):
+        ff.FLeRM(fm, opt, base, probe_batches=stream(), mode="periodic", every=None)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"feature_power=3 applies to .*match='features'"):
+        ff.FLeRM(fm, opt, base, probe_batches=stream(), feature_power=3.0)

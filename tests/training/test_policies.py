@@ -433,3 +433,37 @@ def test_apply_validates_custom_policies() -> None:
 def test_policies_module_exports() -> None:
     for name in policies.__all__:
         assert hasattr(policies, name)
+
+
+def test_hold_under_share_blocks_holds_the_tensor_answering_to_an_unknown_base_block() -> None:
+    # A one-block model answers to base blocks 0, 1 and 2, block 1 unknown: unknown="hold"
+    # summed the known two into a target of 2 instead of holding it, and the note named base
+    # tensors the scaled model lacks
+    import warnings
+
+    import fslr_func as ff
+
+    def net(depth: int) -> torch.nn.Module:
+        torch.manual_seed(0)
+        blocks = [torch.nn.Linear(6, 6) for _ in range(depth)]
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Sequential(*blocks))
+
+    names = [n for n, _ in net(3).named_parameters()]
+    fslr: dict[str, list[float | None]] = {n: [1.0] for n in names}
+    fslr["1.1.weight"] = [None]
+    record = ff.FSLRRecord(steps=[0], fslr=fslr, meta={"base_lr": 1e-2})
+    fm = ff.with_fslr(net(1), samples=2, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    with pytest.warns(RuntimeWarning, match=r"\['1\.0\.weight'\] answer to base tensors whose"):
+        flerm = ff.FLeRM(
+            fm, opt, record, probe_batches=[torch.randn(8, 4)], warmup_samples=2,
+            policy=share_blocks(r"^1\.(\d+)\."), unknown="hold",
+        )  # fmt: skip
+    fm(torch.randn(8, 4)).square().mean().backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        with flerm.step():
+            opt.step()
+    point = flerm.history[0]
+    assert point.targets["1.0.weight"] == 0.0 and "1.0.weight" in point.held
+    assert point.targets["1.0.bias"] == pytest.approx(3.0)  # the sum of the three base blocks

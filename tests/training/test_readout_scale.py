@@ -48,6 +48,17 @@ def test_a_convolution_readout_counts_channels_times_kernel_as_its_fan_in():
     assert scale == pytest.approx(math.sqrt(8 * 3 / (64 * 3)))
 
 
+def test_a_weight_stored_in_out_counts_its_first_dim_as_the_fan_in():
+    # ConvTranspose (in, out, k) and Hugging Face's Conv1D (in, out): the scale was
+    # computed from out x k, 1.0 here, and the readout silently left as it was
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(1, 32, 3), nn.ReLU(), nn.ConvTranspose1d(32, 4, 3))
+    before = model[2].weight.detach().clone()
+    scale = ff.scale_readout(ff.with_fslr(model), _base(w2=[8, 4, 3]), torch.randn(2, 1, 9))
+    assert scale == pytest.approx(math.sqrt(8 * 3 / (32 * 3)))
+    torch.testing.assert_close(model[2].weight.detach(), before * scale)
+
+
 def test_an_unchanged_fan_in_changes_nothing():
     model, reference = _mlp(8), _mlp(8)  # depth, init scale, LoRA rank: the base's readout
     assert ff.scale_readout(ff.with_fslr(model), _base(w2=[3, 8]), X) == 1.0

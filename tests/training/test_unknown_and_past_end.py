@@ -117,7 +117,9 @@ def test_flerm_refuses_an_unknown_base_value_naming_the_tensor() -> None:
 
 def test_hold_keeps_the_group_rate_and_matches_the_others_with_the_training_schedule() -> None:
     base = _frozen_first_base()
-    with pytest.warns(RuntimeWarning, match=r"FSLR of \['0\.weight', '0\.bias'\] is unknown"):
+    with pytest.warns(
+        RuntimeWarning, match=r"\['0\.weight', '0\.bias'\] answer to base tensors whose FSLR"
+    ):
         flerm, (fm, opt) = _scaled(base, unknown="hold")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
