@@ -59,6 +59,7 @@ import torch
 from ..parallel.process_group import raise_if_any_rank_failed
 from ..probe.functional import Inputs
 from ..probe.names import short_list, unwrapped
+from ..stats.checks import is_integer
 from .probe_schedule import ProbeFeed, ProbePlan
 from .rates import rates_in_force
 from .step_hooks import StepHooks, StepWatch, unwrap_optimizer, unwrap_scheduler
@@ -178,6 +179,11 @@ def check_state(
     if not isinstance(state, Mapping) or state.get("version") not in versions:
         raise ValueError(f"this {what} state was saved by an incompatible fslr_func version")
     saved = state.get("config")
+    if state["version"] >= 2 and not isinstance(saved, Mapping):
+        raise ValueError(
+            f"this {what} state has no 'config' (every state of its version has one): it is "
+            "damaged or edited; load the state as it was saved"
+        )
     if not strict or saved is None:
         return
     for key, value in config.items():
@@ -407,8 +413,15 @@ class StepController:
                 moved = False
                 if n:
                     batches, probe_state = self._take(n), _ProbeState(self.fm)
-                    with self.fm.measure(optimizers, batches, step=self.t) as m:
-                        yield m
+                    try:
+                        with self.fm.measure(optimizers, batches, step=self.t) as m:
+                            yield m
+                    except BaseException:
+                        # nothing measured (an error, Ctrl-C, a step that raised): a retried
+                        # or resumed step is probed on these batches, with these omegas
+                        self._feed.give_back(batches)
+                        probe_state.restore()
+                        raise
                     moved = bool(m.moved)
                 else:
                     with self._plain():
@@ -571,16 +584,18 @@ class StepController:
             ValueError: another version's state, or (``strict``) other options.
         """
         check_state(state, self.kind, (1, _STATE_VERSION), self._config, strict)
+        counts = {k: _count(state, k, self.kind) for k in ("t", "probes_used")}
+        owed = _count({"owed": state.get("owed", 0)}, "owed", self.kind)
         self._load_own_state(state)
-        self.t = int(state["t"])
-        self._owed = int(state.get("owed", 0))
+        self.t = counts["t"]
+        self._owed = owed
         since = state.get("stalled_since")
         self._stalled_since = None if since is None else int(since)
         # (a state saved without it: the stall's length in counted steps)
         self._stall_steps = int(state.get("stall_steps", 0 if since is None else self.t - since))
         self._stall_noted = bool(state.get("stall_noted", False))
         self._noted = set(state.get("noted", state.get("warned", ())))
-        self._feed.skip(int(state["probes_used"]))
+        self._feed.skip(counts["probes_used"])
 
     def _own_state(self) -> dict[str, Any]:
         """The subclass's part of :meth:`state_dict`."""
@@ -588,6 +603,24 @@ class StepController:
 
     def _load_own_state(self, state: Mapping[str, Any]) -> None:
         """Restore :meth:`_own_state` (checked before anything is changed)."""
+
+
+def _count(state: Mapping[str, Any], key: str, what: str) -> int:
+    """``state[key]``, a count (an int ``>= 0``), or a ``ValueError`` naming it.
+
+    Examples:
+        >>> _count({"t": -3}, "t", "FLeRM")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: this FLeRM state's 't' is -3, not a count (an int >= 0): it is damaged ...
+    """
+    value = state.get(key)
+    if not is_integer(value) or value < 0:  # type: ignore[operator]
+        raise ValueError(
+            f"this {what} state's {key!r} is {value!r}, not a count (an int >= 0): it is "
+            "damaged or edited; load the state as it was saved"
+        )
+    return int(value)  # type: ignore[arg-type]
 
 
 class _ProbeState:

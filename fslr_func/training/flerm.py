@@ -77,7 +77,7 @@ from torch import Tensor
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from ..probe.names import short_list
-from ..stats.checks import integer, real
+from ..stats.checks import integer, is_real, real
 from . import policies
 from .controller import LogFn, StepController
 from .feature_gains import hidden_fan_in, require_readout, step_gains
@@ -642,19 +642,43 @@ class FLeRM(StepController):
         # tensors added since construction (a resumed run rebuilt as it was built, its late
         # groups added again) are taken up first, as the saved run took them up at a step
         self._adopt()
+        missing = [k for k in ("names", "ratios", "history") if k not in state]
+        if missing:
+            raise ValueError(f"this FLeRM state lacks {missing}: it is damaged or edited")
         if list(state["names"]) != self.names:
             raise ValueError(
                 "this FLeRM state is for other tensors: "
                 f"{sorted(set(state['names']) ^ set(self.names))[:10]} differ"
             )
-        self.ratios = {str(k): float(v) for k, v in state["ratios"].items()}
+        ratios = _positive_numbers(state["ratios"], "ratios")
         factors = state.get("feature_factors")
-        self.feature_factors = (
-            None if factors is None else {str(k): float(v) for k, v in factors.items()}
-        )
+        self.ratios = ratios
+        self.feature_factors = None if factors is None else _positive_numbers(factors, "factors")
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
         self.targets.late |= {str(n) for n in state.get("late", ())}
         self._late_pending = {str(n) for n in state.get("late_pending", ())}
+
+
+def _positive_numbers(values: Any, what: str) -> dict[str, float]:
+    """A saved ``{tensor: number}`` (FLeRM's ratios, feature factors): every number finite
+    and ``> 0``, as the rule makes them, or a ``ValueError`` naming the first that is not (a
+    negative ratio would train that tensor by gradient ascent).
+
+    Examples:
+        >>> _positive_numbers({"w": -1.0}, "ratios")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: this FLeRM state's ratios['w'] is -1.0, not a finite number > 0: ...
+    """
+    if not isinstance(values, Mapping):
+        raise ValueError(f"this FLeRM state's {what} is not a dict: it is damaged or edited")
+    for name, v in values.items():
+        if not (is_real(v) and 0 < float(v) < math.inf):
+            raise ValueError(
+                f"this FLeRM state's {what}[{name!r}] is {v!r}, not a finite number > 0: it is "
+                "damaged or edited; load the state as it was saved"
+            )
+    return {str(k): float(v) for k, v in values.items()}
 
 
 def _power(x: float, p: float) -> float:

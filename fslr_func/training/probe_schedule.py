@@ -20,6 +20,7 @@ import math
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -159,7 +160,13 @@ class ProbeFeed:
         if self._returned:
             out, self._returned = self._returned[:n], self._returned[n:]
             self.used += len(out)
-            return out + self.take(n - len(out)) if len(out) < n else out
+            if len(out) == n:
+                return out
+            try:
+                return out + self.take(n - len(out))
+            except BaseException:
+                self.give_back(out)  # a source that raised mid-draw loses no batch
+                raise
         with torch.random.fork_rng(devices=[]):
             if self._it is None:
                 self._it = iter(self._source)
@@ -168,7 +175,7 @@ class ProbeFeed:
                         f"probe_batches has fewer than the {self._pending} batches the "
                         "checkpointed run used: hand in the same (re-created) iterable"
                     )
-            out = [tuple(b) if isinstance(b, list) else b for b in self._draw(n)]
+            out = self._draw(n)
         if len(out) < n:
             raise ValueError(
                 f"probe_batches ran out after {self.used + len(out)} batches: hand in an endless "
@@ -179,20 +186,35 @@ class ProbeFeed:
         return out
 
     def _draw(self, n: int) -> list[Inputs]:
+        """The next ``n`` batches from the source (lists as tuples of positional arguments),
+        cycling a re-iterable; fewer where a one-shot iterator runs out. If the source raises
+        (a transient read error), the batches drawn before are kept for the next draw."""
         assert self._it is not None
-        out = list(itertools.islice(self._it, n))
-        while len(out) < n and self._cycles:
-            self._it = iter(self._source)
-            more = list(itertools.islice(self._it, n - len(out)))
-            if not more:
-                raise ValueError("probe_batches is empty: it yields no probe batch")
-            if not self._noted:
-                self._noted = True
-                warnings.warn(
-                    f"probe_batches ran out after one pass ({self.used + len(out)} batches); "
-                    "it is started again, so probe batches repeat (shuffle it to vary them)",
-                    RuntimeWarning,
-                    stacklevel=4,
-                )
-            out += more
-        return out
+        out: list[Inputs] = []
+        try:
+            out += itertools.islice(self._it, n)
+            while len(out) < n and self._cycles:
+                self._it = iter(self._source)
+                more = list(itertools.islice(self._it, n - len(out)))
+                if not more:
+                    raise ValueError("probe_batches is empty: it yields no probe batch")
+                if not self._noted:
+                    self._noted = True
+                    warnings.warn(
+                        f"probe_batches ran out after one pass ({self.used + len(out)} "
+                        "batches); it is started again, so probe batches repeat (shuffle it "
+                        "to vary them)",
+                        RuntimeWarning,
+                        stacklevel=4,
+                    )
+                out += more
+        except BaseException:
+            self._returned = [*_as_inputs(out), *self._returned]
+            raise
+        return _as_inputs(out)
+
+
+def _as_inputs(batches: list[Any]) -> list[Inputs]:
+    """Batches as the model takes them: a list (a ``TensorDataset``'s row) as a tuple of
+    positional arguments."""
+    return [tuple(b) if isinstance(b, list) else b for b in batches]

@@ -389,3 +389,76 @@ def test_blocks_a_scaler_skips_are_no_steps_but_a_stall_of_them_warns() -> None:
     del state["stall_steps"]  # a state saved before it was kept: counted from the steps
     again.load_state_dict(state)
     assert again.state_dict()["stall_steps"] == 0
+
+
+class _Flaky:
+    """Endless probe batches (``stream``'s) whose ``raise_at``-th draw raises once."""
+
+    def __init__(self, raise_at: int | None) -> None:
+        self.inner, self.draws, self.raise_at = stream(1), 0, raise_at
+
+    def __iter__(self) -> _Flaky:
+        return self
+
+    def __next__(self) -> torch.Tensor:
+        self.draws += 1
+        if self.draws == self.raise_at:
+            raise OSError("a transient read error")
+        return next(self.inner)
+
+
+def test_an_interrupted_probed_step_or_a_failing_draw_spends_no_probe_batch() -> None:
+    # Ctrl-C inside a probed step, or a probe source that raised in the middle of a warm-up's
+    # draw, used up the batches drawn: the retried step, and every later probe, ran on other
+    # batches than an uninterrupted run's, and a checkpoint saved then resumed elsewhere
+    def run(interrupt_at: int | None, raise_at: int | None) -> Recorder:
+        fm = model()
+        opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+        rec = Recorder(fm, _Flaky(raise_at), optimizer=opt, warmup_samples=8, every=2)
+        t = 0
+        while t < 5:
+            opt.zero_grad()
+            backward(fm, t)
+            try:
+                with rec.step():
+                    if t == interrupt_at:
+                        interrupt_at = None
+                        raise KeyboardInterrupt
+                    opt.step()
+            except (KeyboardInterrupt, OSError):
+                continue  # the same step again
+            t += 1
+        return rec
+
+    plain = run(None, None)
+    for interrupted in (run(2, None), run(None, 2)):
+        assert interrupted.probes_used == plain.probes_used
+        assert interrupted.record == plain.record
+
+
+def test_an_edited_or_damaged_state_is_refused_naming_what() -> None:
+    # a negative ratio loaded (that tensor then trained by gradient ascent), a NaN one too,
+    # a negative step count, and a version-2 state without its config skipped every check
+    def built() -> ff.FLeRM:
+        fm = model(width=20)
+        opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+        return ff.FLeRM(fm, opt, base, probe_batches=stream(1), warmup_samples=8)
+
+    base = record()
+    flerm = built()
+    backward(flerm.fm, 0)
+    with flerm.step():
+        flerm.optimizer.step()
+    saved = flerm.state_dict()
+    for edit, says in [
+        ({"ratios": {**saved["ratios"], "0.weight": -1.0}}, r"ratios\['0\.weight'\] is -1\.0"),
+        ({"ratios": {**saved["ratios"], "0.bias": math.nan}}, r"ratios\['0\.bias'\] is nan"),
+        ({"t": -3}, "'t' is -3, not a count"),
+        ({"probes_used": "2"}, "'probes_used' is '2', not a count"),
+        ({"config": None}, "has no 'config'"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            built().load_state_dict({**saved, **edit})
+    fresh = built()
+    fresh.load_state_dict(saved)  # the state as saved still loads
+    assert fresh.ratios == flerm.ratios and fresh.t == 1
