@@ -336,6 +336,7 @@ class FLeRM(StepController):
         self.names: list[str] = []
         self.history: list[SetPoint] = []
         self._late_pending: set[str] = set()  # static: joined after the set point, unmatched
+        self._nonfinite: set[str] = set()  # held as not finite at the last set point
         self._adopt()
         self.targets.check(self.names)
         self.targets.check_unknown(
@@ -527,7 +528,8 @@ class FLeRM(StepController):
                 stacklevel=5,
             )
         idle = {n for n, (lr, _) in self._rates.items() if not lr}
-        _report(matched, step, self.min_fslr, self._note_each, idle)
+        _report(matched, step, self.min_fslr, self._note_each, idle, self._nonfinite)
+        self._nonfinite = set(matched.nonfinite)
         return SetPoint(
             step=step,
             lrs=self._lrs_at(step),
@@ -722,23 +724,32 @@ def _base_gains(fm: FSLRModule, base: FSLRRecord, matched: Matched) -> dict[str,
 
 
 def _report(
-    matched: Match, step: int, min_fslr: float, note: Note, idle: Collection[str] = ()
+    matched: Match,
+    step: int,
+    min_fslr: float,
+    note: Note,
+    idle: Collection[str] = (),
+    still: Collection[str] = (),
 ) -> None:
     """Warn about the tensors a set point could not match (each named once, the non-finite
-    ones every time); ``idle``: those in param groups at rate 0, which did not move."""
+    ones again each time they become so: ``still``, those held as not finite at the previous
+    set point, are not named again, so a diverged run does not warn at every set point);
+    ``idle``: those in param groups at rate 0, which did not move."""
     note(
         matched.unmatched,
         f"FLeRM step {step}: {{}} have no base tensor to match (parameters added to the "
         "model after FLeRM was built and absent from the base record); they keep their "
         "group's learning rate (record a base run with them to match them)",
     )
-    if matched.nonfinite:
+    newly = [n for n in matched.nonfinite if n not in still]
+    if newly:
         warnings.warn(
             f"FLeRM step {step}: no finite FSLR estimate or rate, or a rate too large for "
-            f"the parameter's dtype, for {list(matched.nonfinite[:10])} (every probe of this "
+            f"the parameter's dtype, for {newly[:10]} (every probe of this "
             "set point was left out as not finite, the estimate overflowed, a bfloat16/float16 "
             "update rounded to nothing at a rate below the parameters' precision, or the base "
-            "record's FSLR is absurd); they keep their previous learning rate",
+            "record's FSLR is absurd); they keep their previous learning rate (and are not "
+            "named again while they stay so)",
             RuntimeWarning,
             stacklevel=6,
         )

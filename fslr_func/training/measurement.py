@@ -5,7 +5,9 @@ A measured step never reads a tensor's value on the host (on a GPU each read is 
 synchronisation): the EMAs, the counts of probes folded in or left out and the flags of which
 tensors moved all stay on the device. :func:`read_estimates` stacks what a reading needs into
 one tensor per parameter (:class:`Row`), reads them all at once, reports the probes left out
-since the last reading in one warning, and returns a :class:`Reading`.
+since the last reading in one warning (:class:`DropReports`: once per run of readings that
+leave a tensor's probes out, not at every reading of a diverged run), and returns a
+:class:`Reading`.
 
 Examples:
     >>> import torch
@@ -13,7 +15,7 @@ Examples:
     >>> ema = EMA(0.9)
     >>> ema.update({"w": torch.log(torch.tensor([4.0, 4.0, 4.0], dtype=torch.float64))})
     >>> log_sq = {"w": torch.tensor(4.0, dtype=torch.float64).log()}  # ||Delta f||^2 = 4
-    >>> reading = read_estimates(log_sq, ema, folded={}, changed={}, reported={})
+    >>> reading = read_estimates(log_sq, ema, folded={}, changed={}, reported=DropReports())
     >>> reading.values, reading.moved
     ({'w': 2.0}, ())
 """
@@ -33,7 +35,7 @@ from ..stats.estimator import EMA, fslr_from_log
 from .rates import ScaledSince, group_rates, rates_in_force
 from .update_scaling import Snapshots
 
-__all__ = ["Measurement", "Reading", "Row", "read_estimates"]
+__all__ = ["DropReports", "Measurement", "Reading", "Row", "read_estimates"]
 
 
 @dataclass
@@ -60,7 +62,7 @@ class Measurement:
             of its FSLR; read as :attr:`rounded_away`.
         ema: the EMA the estimates come from (set when the block exits).
         inputs: the probe batches of this step (set when the block exits).
-        reported: the wrapper's count of drops already warned about, per tensor (shared).
+        reported: the wrapper's drops already warned about (shared).
     """
 
     before: dict[str, Tensor]
@@ -72,7 +74,7 @@ class Measurement:
     rounded: dict[str, Tensor] = field(default_factory=dict)
     ema: EMA | None = None
     inputs: list[Inputs] = field(default_factory=list)
-    reported: dict[str, int] = field(default_factory=dict)
+    reported: DropReports = field(default_factory=lambda: DropReports())
     _reading: Reading | None = None
 
     @classmethod
@@ -315,12 +317,28 @@ class Row:
         )
 
 
+@dataclass
+class DropReports:
+    """What the warnings about left-out probes have said, per tensor (the wrapper's, shared by
+    its readings).
+
+    Attributes:
+        counts: the drops counted at the last reading.
+        dropping: the tensors whose probes the last reading found left out: a reading that
+            finds them left out again (a diverged run, every probe NaN) does not warn again;
+            once a reading finds none left out, the next drop warns.
+    """
+
+    counts: dict[str, int] = field(default_factory=dict)
+    dropping: set[str] = field(default_factory=set)
+
+
 def read_estimates(
     log_sq: Mapping[str, Tensor],
     ema: EMA,
     folded: Mapping[str, Tensor],
     changed: Mapping[str, Tensor],
-    reported: dict[str, int],
+    reported: DropReports,
     rounded: Mapping[str, Tensor] | None = None,
 ) -> Reading:
     """``log_sq`` as FSLRs, after one synchronisation that finds and reports the drops.
@@ -330,7 +348,7 @@ def read_estimates(
         ema: the EMA the estimates come from (its drop counts and probe counts).
         folded: per tensor, the probes folded in at this step (default: the EMA's counts).
         changed: per tensor, whether the step changed it (default: every tensor).
-        reported: per tensor, the drops already reported; updated here.
+        reported: the drops already reported; updated here.
         rounded: per 16-bit tensor, whether its update rounded to nothing (default: none).
 
     Returns:
@@ -352,9 +370,13 @@ def read_estimates(
     }
     by_step: dict[int, list[str]] = {}
     for n, row in rows.items():
-        if row.dropped > reported.get(n, 0):
-            by_step.setdefault(row.last_dropped, []).append(n)
-        reported[n] = row.dropped
+        if row.dropped > reported.counts.get(n, 0):
+            if n not in reported.dropping:
+                by_step.setdefault(row.last_dropped, []).append(n)
+            reported.dropping.add(n)
+        else:
+            reported.dropping.discard(n)
+        reported.counts[n] = row.dropped
     if by_step:
         listed = "; ".join(f"step {k}: {short_list(v)}" for k, v in sorted(by_step.items()))
         warnings.warn(

@@ -45,7 +45,7 @@ from ..stats.estimator import (
     log_sq_norm,
     mean_valid_log_stats_all,
 )
-from .measurement import Measurement, Reading, read_estimates
+from .measurement import DropReports, Measurement, Reading, read_estimates
 from .update_scaling import Snapshots
 from .wrapper_state import extra_state, load_bare, load_bare_keys, load_extra_state, save_bare
 
@@ -176,7 +176,7 @@ class FSLRModule(nn.Module):
         self._updates = Snapshots()  # its unit-rate updates, reused
         self._strict_load = True
         self.probes = 0
-        self.reported: dict[str, int] = {}  # drops already warned about, per tensor
+        self.reported = DropReports()  # drops already warned about
         if seed is None:
             seed = int(torch.randint(0, 2**62, ()).item())
         self.seed = torch_seed(seed, "seed")

@@ -26,6 +26,7 @@ import torch
 from ..probe.names import WRAPPER_PREFIXES
 from ..probe.options import ProbeOptions, Strategy
 from ..stats.estimator import EMA, ReadoutRole
+from .measurement import DropReports
 
 __all__ = [
     "READOUT_SCALE_MARK",
@@ -55,7 +56,7 @@ class FSLRModule(Protocol):
     readout_roles: dict[str, ReadoutRole]
     generators: dict[str, torch.Generator]
     probes: int
-    reported: dict[str, int]
+    reported: DropReports
     loading_prefix: str | None
     resolved_strategy: Strategy
     options: ProbeOptions
@@ -178,7 +179,7 @@ def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
         if generator_state is not None:
             fm.generator_for(torch.device(key)).set_state(generator_state)
     fm.probes = int(state.get("probes", 0))
-    fm.reported = {n: int(v) for n, v in fm.ema.dropped.items()}
+    fm.reported = DropReports({n: int(v) for n, v in fm.ema.dropped.items()})
     fm.resolved_strategy = state.get("resolved_strategy", fm.options.strategy)
     if "readout_scales" in state:  # the weights loaded are scaled where the saved ones were
         scales = {prefix + n: float(c) for n, c in state["readout_scales"].items()}

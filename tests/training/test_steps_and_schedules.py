@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -462,3 +463,34 @@ def test_an_edited_or_damaged_state_is_refused_naming_what() -> None:
     fresh = built()
     fresh.load_state_dict(saved)  # the state as saved still loads
     assert fresh.ratios == flerm.ratios and fresh.t == 1
+
+
+def test_a_diverged_run_warns_once_not_at_every_probe() -> None:
+    # weights gone NaN: every probe is left out; the Recorder warned at every row and a
+    # periodic FLeRM twice per set point, for the rest of the run
+    def diverged(controller: Recorder | ff.FLeRM, fm: ff.FSLRModule, opt: Any) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for t in range(12):
+                opt.zero_grad()
+                backward(fm, t)
+                with controller.step():
+                    opt.step()
+                if t == 3:
+                    with torch.no_grad():
+                        fm.module[0].weight.fill_(math.nan)
+        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(1), optimizer=opt, warmup_samples=4, every=1)
+    left_out = [m for m in diverged(rec, fm, opt) if "were left out" in m]
+    assert len(left_out) == 1
+    fm = model(width=20)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    flerm = ff.FLeRM(
+        fm, opt, record(), probe_batches=stream(2), warmup_samples=4, mode="periodic", every=1
+    )
+    said = diverged(flerm, fm, opt)
+    assert sum("were left out" in m for m in said) == 1
+    assert sum("no finite FSLR estimate" in m for m in said) == 1
