@@ -53,7 +53,7 @@ KIND_COLOURS = {
     "QK weights": "tab:purple",
     "VO weights": "tab:pink",
     "FF up": "tab:olive",
-    "FF down": "tab:orange",
+    "FF down": "tab:brown",
     "norm": "tab:cyan",
     "readout": "tab:green",
     "bias": "tab:gray",
@@ -258,8 +258,9 @@ def plot_fslr_time(
         path: the PNG to write.
         kind: tensor name -> kind (legend entry and colour; unknown kinds get default colours).
         per_step: plot ``lr_W * FSLR_W``, the RMS change of the outputs per step caused by
-            each tensor, when the record has learning rates; ``False``: the unit-learning-rate
-            FSLR.
+            each tensor, when the record has learning rates (a tensor without them runs at
+            ``base_lr`` times the schedule ratio, as FLeRM reads it); ``False``: the
+            unit-learning-rate FSLR.
         title: figure title.
 
     Returns:
@@ -269,13 +270,20 @@ def plot_fslr_time(
         raise ValueError("the record is empty: nothing to plot")
     fig = _figure(6.4, 4.0)
     ax = fig.subplots()
-    scaled = per_step and bool(record.lrs)
+    meta = record.meta
+    lr = meta.get("base_lr")
+    rated = isinstance(lr, (int, float)) or all(n in record.lrs for n in record.fslr)
+    scaled = per_step and bool(record.lrs) and rated
     seen: dict[str, str] = {}
     extra = iter(f"C{i}" for i in range(10, 100))
     for name, values in record.fslr.items():
         k = kind(name)
         colour = KIND_COLOURS.get(k) or seen.get(k) or next(extra)
-        lrs = record.lrs[name] if scaled else [1.0] * len(values)
+        lrs = (
+            (record.lrs.get(name) or [float(lr) * r for r in record.sched])  # type: ignore[arg-type]
+            if scaled
+            else [1.0] * len(values)
+        )
         # unknown FSLRs (None) are not drawn, nor zeros (log scale)
         pts = [(s, v * lr) for s, v, lr in zip(record.steps, values, lrs, strict=True) if v]
         if not pts:
@@ -296,11 +304,14 @@ def plot_fslr_time(
     ax.set_ylabel("FSLR per step (lr x FSLR at lr 1)" if scaled else "FSLR at learning rate 1")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8, loc="best")
-    meta = record.meta
-    lr = meta.get("base_lr")
-    default = f"{meta.get('model') or 'model'} FSLRs over time" + (
-        f" (Adam, lr {lr:.3g})" if isinstance(lr, (int, float)) else ""
+    optimizer = meta.get("optimizer")
+    run = ", ".join(
+        [
+            *([str(optimizer)] if optimizer else []),
+            *([f"lr {lr:.3g}"] if isinstance(lr, (int, float)) else []),
+        ]
     )
+    default = f"{meta.get('model') or 'model'} FSLRs over time" + (f" ({run})" if run else "")
     ax.set_title(title or default, fontsize=10)
     return _save(fig, path)
 

@@ -175,6 +175,9 @@ class FSLRRecord(Lookups):
             )
         if not fslr:
             raise ValueError("fslr is empty: give the FSLR of every trainable tensor")
+        bad = [k for k in [*fslr, *(lrs or {})] if not isinstance(k, str) or not k]
+        if bad:
+            raise ValueError(f"the key {bad[0]!r} is no tensor name: names are non-empty str")
         if self.fslr:
             _check_names(self.fslr, fslr, "fslr")
         row = {

@@ -31,7 +31,7 @@ from collections.abc import Sequence
 from typing import Any, cast
 
 from .record_lookup import row_in_force
-from .record_schema import Series, check_compatible
+from .record_schema import SAME_META, Series, check_compatible
 
 __all__ = ["mean_of", "seed_mean"]
 
@@ -57,33 +57,51 @@ def mean_of(values: Sequence[float]) -> float:
     return m * (math.fsum(v / m for v in values) / len(values))
 
 
-def _column_means(columns: list[Sequence[float | None]]) -> list[float | None]:
-    """Step by step, the mean of the known values (``None`` where none is known)."""
+def _column_means(
+    columns: Sequence[Sequence[float | None]], weights: Sequence[int]
+) -> list[float | None]:
+    """Step by step, the mean of the known values, each counted ``weights`` times (its
+    record's seeds); ``None`` where none is known."""
     out: list[float | None] = []
     for column in zip(*columns, strict=True):
-        known = [v for v in column if v is not None]
+        known = [v for v, w in zip(column, weights, strict=True) if v is not None for _ in range(w)]
         out.append(mean_of(known) if known else None)
     return out
 
 
-def _ragged_means(series: list[list[float]]) -> list[float]:
-    """Index by index, the mean over the series long enough to have that index."""
+def _ragged_means(series: list[list[float]], weights: Sequence[int]) -> list[float]:
+    """Index by index, the mean over the series long enough to have that index, each
+    counted ``weights`` times."""
     longest = max(len(s) for s in series)
-    return [mean_of([s[i] for s in series if i < len(s)]) for i in range(longest)]
+    return [
+        mean_of(
+            [s[i] for s, w in zip(series, weights, strict=True) if i < len(s) for _ in range(w)]
+        )
+        for i in range(longest)
+    ]
 
 
-def _geometric_means(gains: list[dict[str, Any]]) -> dict[str, float]:
-    """Per tensor, the geometric mean of the seeds' feature gains (tensors with a gain that
-    is not a finite number > 0 in some seed are left out)."""
+def _geometric_means(gains: list[dict[str, Any]], weights: Sequence[int]) -> dict[str, float]:
+    """Per tensor, the geometric mean of the records' feature gains, each counted
+    ``weights`` times (tensors with a gain that is not a finite number > 0 in some record are
+    left out)."""
 
     def usable(g: Any) -> bool:
         return isinstance(g, (int, float)) and 0 < g < math.inf
 
+    total = sum(weights)
     return {
-        n: math.exp(sum(math.log(g[n]) for g in gains) / len(gains))
+        n: math.exp(sum(w * math.log(g[n]) for g, w in zip(gains, weights, strict=True)) / total)
         for n in gains[0]
         if all(usable(g.get(n)) for g in gains)
     }
+
+
+def _seed_count(record: Series) -> int:
+    """How many seeds ``record`` averages: the length of a mean's ``meta["seed"]`` list, 1
+    for a record of one run."""
+    seed = record.meta.get("seed")
+    return len(seed) if isinstance(seed, list) and seed else 1
 
 
 def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
@@ -101,19 +119,28 @@ def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
         seeds.extend(seed if isinstance(seed, list) else [seed])
     meta = copy.deepcopy(dict(first.meta))
     meta["seed"] = seeds
-    gains = [g for r in records if isinstance(g := r.meta.get("feature_gain"), dict)]
-    if gains:  # Recorder(feature_gains=True)
-        meta["feature_gain"] = _geometric_means(gains)
+    for key in SAME_META:  # a key record 0 left null: the others' (check_compatible: one)
+        if meta.get(key) is None:
+            meta[key] = next((r.meta[key] for r in records if r.meta.get(key) is not None), None)
+    weights = [_seed_count(r) for r in records]  # a mean of means: every seed counts once
+    gained = [
+        (r.meta["feature_gain"], w)
+        for r, w in zip(records, weights, strict=True)
+        if isinstance(r.meta.get("feature_gain"), dict)
+    ]
+    if gained:  # Recorder(feature_gains=True)
+        meta["feature_gain"] = _geometric_means([g for g, _ in gained], [w for _, w in gained])
     per_step = [r.meta.get("sched_per_step") for r in records]
     if all(isinstance(p, list) for p in per_step):
-        meta["sched_per_step"] = _ragged_means(cast(list[list[float]], per_step))
+        meta["sched_per_step"] = _ragged_means(cast(list[list[float]], per_step), weights)
     else:  # an older seed without it: FLeRM follows the mean's rows
         meta.pop("sched_per_step", None)
     steps = sorted({t for r in records for t in r.steps})
     rows = [[row_in_force(r.steps, t) for t in steps] for r in records]
 
     def columns(series: list[Sequence[Any]]) -> list[float | None]:
-        return _column_means([[s[i] for i in idx] for s, idx in zip(series, rows, strict=True)])
+        picked = [[s[i] for i in idx] for s, idx in zip(series, rows, strict=True)]
+        return _column_means(picked, weights)
 
     fslr = {n: columns([cast(Any, r.fslr)[n] for r in records]) for n in first.fslr}
     # no None among rates and ratios: their means are all numbers

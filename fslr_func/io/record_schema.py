@@ -35,6 +35,7 @@ Examples:
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import numbers
@@ -48,6 +49,7 @@ __all__ = [
     "FIELDS",
     "FORMAT",
     "META_SCHEMA",
+    "SAME_META",
     "UNKNOWN",
     "VERSION",
     "Series",
@@ -333,7 +335,7 @@ def check_meta(meta: object) -> dict[str, Any]:
     """
     if not isinstance(meta, Mapping):
         raise ValueError(f"meta must be a dict, got {type(meta).__name__}")
-    out = dict(meta)
+    out = copy.deepcopy(dict(meta))  # a record owns its meta: nested dicts are not shared
     for key, value in out.items():
         check, what = META_SCHEMA.get(
             key,
@@ -452,7 +454,7 @@ def check_document(data: Any, source: str, newest: str) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------- means
 
-_SAME_META = ("estimator", "grouping", "optimizer", "base_lr", "model", "schedule")
+SAME_META = ("estimator", "grouping", "optimizer", "base_lr", "model", "schedule")
 """Meta keys records must share to be averaged (``None``: not recorded, matches anything)."""
 
 PROBE_PLAN = ("every", "warmup_samples", "start_step")
@@ -532,11 +534,14 @@ def check_compatible(records: Sequence[Series]) -> None:
         diff = sorted(n for n in {*shapes0, *shapesk} if shapes0.get(n) != shapesk.get(n))
         if diff:
             raise ValueError(f"{where}: different shapes for tensors {short_list(diff)}")
-        for key in _SAME_META:
-            a, b = first.meta.get(key), rec.meta.get(key)
-            if a is not None and b is not None and a != b:
+    for key in SAME_META:  # against the first record that gives one (null matches any)
+        given = [(k, r.meta.get(key)) for k, r in enumerate(records) if r.meta.get(key) is not None]
+        for k, b in given[1:]:
+            j, a = given[0]
+            if a != b:
                 raise ValueError(
-                    f"{where}: different meta[{key!r}] ({a!r} vs {b!r}): average the seeds of "
-                    "one configuration only (FSLRs of different estimators, groupings, "
-                    "optimisers, learning rates, models or schedules are different quantities)"
+                    f"record {k} vs record {j}: different meta[{key!r}] ({a!r} vs {b!r}): "
+                    "average the seeds of one configuration only (FSLRs of different "
+                    "estimators, groupings, optimisers, learning rates, models or schedules are "
+                    "different quantities)"
                 )

@@ -17,7 +17,7 @@ import io
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-__all__ = ["Table", "csv_text", "data_frame", "table_rows"]
+__all__ = ["Table", "columns", "csv_text", "data_frame", "table_rows"]
 
 
 class Table(Protocol):
@@ -34,6 +34,18 @@ class Table(Protocol):
 
     @property
     def lrs(self) -> Mapping[str, Sequence[float]]: ...
+
+
+def columns(record: Table) -> list[str]:
+    """The table's columns, also for a record without rows: ``step``, ``sched``,
+    ``fslr/<name>`` of every tensor, ``lr/<name>`` of every tensor with rates.
+
+    Examples:
+        >>> from fslr_func.io.record import FSLRRecord
+        >>> columns(FSLRRecord(fslr={"w": []}))
+        ['step', 'sched', 'fslr/w']
+    """
+    return ["step", "sched", *(f"fslr/{n}" for n in record.fslr), *(f"lr/{n}" for n in record.lrs)]
 
 
 def table_rows(record: Table) -> list[dict[str, float | None]]:
@@ -55,7 +67,7 @@ def csv_text(record: Table) -> str:
     empty cell)."""
     rows = table_rows(record)
     out = io.StringIO()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["step", "sched"])
+    writer = csv.DictWriter(out, fieldnames=columns(record))
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()
@@ -73,4 +85,7 @@ def data_frame(record: Table) -> Any:
         raise ImportError(
             "FSLRRecord.to_pandas needs pandas: pip install pandas (or use to_rows/to_csv)"
         ) from err
-    return pd.DataFrame(table_rows(record)).set_index("step")
+    # float columns throughout: a tensor unknown at every row is NaN, not an object column
+    frame = pd.DataFrame(table_rows(record), columns=columns(record), dtype=float)
+    frame["step"] = frame["step"].astype("int64")
+    return frame.set_index("step")

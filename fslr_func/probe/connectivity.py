@@ -49,6 +49,7 @@ __all__ = [
     "FIX",
     "HOOK_WARNING",
     "CutFinder",
+    "DisconnectedOutputError",
     "check_connected",
     "cut_error",
     "disconnected_output_error",
@@ -168,9 +169,13 @@ FIX = (
 """How to keep parameters in the graph, for the errors below."""
 
 
-def disconnected_output_error() -> ValueError:
+class DisconnectedOutputError(ValueError):
+    """The measured output depends on none of the measured parameters."""
+
+
+def disconnected_output_error() -> DisconnectedOutputError:
     """The error for an output that depends on none of the measured parameters."""
-    return ValueError(
+    return DisconnectedOutputError(
         "the model output (after output_fn) does not depend on any of the measured "
         "parameters: the forward or output_fn detached it or ran under torch.no_grad. " + FIX
     )

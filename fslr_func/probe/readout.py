@@ -37,14 +37,15 @@ class ReadoutFinder:
     row-independent estimator, since the independence argument needs the weight to act only
     in the readout; for the same reason a module called more than once in the forward is not
     a readout, nor is one whose output a forward hook of the user's replaces (``o @ mix``).
+    Whether the model's output units are each a function of one row of the readout found is
+    :func:`rows_independent`'s question.
     TorchScript submodules take no hooks: they are run but never found (name a scripted
     readout with ``readout=``).
     """
 
     def __init__(self, model: nn.Module) -> None:
         self.model = model
-        self._seen: list[tuple[str, Tensor, tuple[Any, ...], dict[str, Any]]] = []
-        self._call: tuple[nn.Module, tuple[Any, ...], dict[str, Any], Tensor] | None = None
+        self._seen: list[tuple[str, Tensor]] = []
         self._handles: list[Any] = []
 
     def __enter__(self) -> ReadoutFinder:
@@ -57,16 +58,14 @@ class ReadoutFinder:
                 # Before the user's hooks: a hook that returns a new tensor (mixing the
                 # outputs, a temperature) makes the model output another function of the
                 # module's rows, so the module is not the readout.
-                hook = module.register_forward_hook(
-                    self._hook(name), prepend=True, with_kwargs=True
-                )
+                hook = module.register_forward_hook(self._hook(name), prepend=True)
                 self._handles.append(hook)
         return self
 
     def _hook(self, name: str) -> Callable[..., None]:
-        def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
             if isinstance(output, Tensor):
-                self._seen.append((name, output, tuple(args), dict(kwargs)))
+                self._seen.append((name, output))
 
         return hook
 
@@ -86,76 +85,16 @@ class ReadoutFinder:
         its tensors act before the output too, so rows of its weight are not independent, and
         the readout estimators would be biased (like a weight tied to another tensor). A
         module without a ``weight`` or ``bias`` of its own (an activation) is not a readout.
-        Whether its output units are independent is :meth:`independent`'s question.
         """
-        seen = [entry for entry in self._seen if entry[1] is output]
-        found = seen[0][0] if seen else None
-        calls = sum(name == found for name, *_ in self._seen)
+        found = next((name for name, t in self._seen if t is output), None)
+        calls = sum(name == found for name, _ in self._seen)
         self._seen.clear()
-        self._call = None
         if found is None or calls != 1:
             return None
-        module = self.model.get_submodule(found)
         # An activation ending the model (``Sequential(Linear, Tanh)``), or a model computing
         # the output from raw parameters of its own (``x @ self.w``, with no submodules), has
         # no weight or bias for the readout estimators: there is no readout layer.
-        if not _own_tensors(module):
-            return None
-        _, out, args, kwargs = seen[0]
-        self._call = (module, args, kwargs, out)
-        return found
-
-    def independent(self) -> bool:
-        """Whether each output unit of the readout :meth:`find` last returned is a function of
-        its own row of the readout's weight and bias alone (:func:`rows_independent`), as the
-        readout estimators need; ``True`` when it found none."""
-        return self._call is None or rows_independent(*self._call)
-
-
-def rows_independent(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Tensor
-) -> bool:
-    """Whether output unit ``k`` of ``module`` depends on row ``k`` of its weight and bias
-    alone, as the readout estimators assume.
-
-    ``nn.Linear``'s own forward is; for any other module the forward is run once more on the
-    same inputs with row 0 of ``weight`` and ``bias`` moved, and the other output units must
-    come out bit for bit the same (a head that normalises its outputs, ``log_softmax(x W^T +
-    b)``, moves them all). Any failure of that run (a parametrized weight, a forward that
-    cannot run twice) answers ``False``: the tensors then get the general estimator.
-
-    Examples:
-        >>> x = torch.randn(3, 4)
-        >>> head = torch.nn.Linear(4, 5)
-        >>> rows_independent(head, (x,), {}, head(x))
-        True
-        >>> class Normalised(torch.nn.Linear):
-        ...     def forward(self, x):
-        ...         return super().forward(x).log_softmax(-1)
-        >>> head = Normalised(4, 5)
-        >>> rows_independent(head, (x,), {}, head(x))
-        False
-    """
-    if type(module).forward is nn.Linear.forward or output.dim() == 0 or output.shape[-1] == 1:
-        return True
-    moved: dict[str, Tensor] = {}
-    for name in ("weight", "bias"):
-        tensor = dict(module.named_parameters(recurse=False)).get(name)
-        if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == output.shape[-1]:
-            step = torch.zeros_like(tensor)
-            step[0] = 1.0
-            moved[name] = tensor.detach() + step
-    if not moved:
-        return False
-    cuda = list(range(torch.cuda.device_count())) if output.is_cuda else []
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
-            again = torch.func.functional_call(module, moved, args, kwargs)
-    except Exception:  # a forward that cannot run again: no readout estimators
-        return False
-    if not isinstance(again, Tensor) or again.shape != output.shape:
-        return False
-    return bool(torch.equal(again[..., 1:], output.detach()[..., 1:]))
+        return found if _own_tensors(self.model.get_submodule(found)) else None
 
 
 def readout_module(model: nn.Module, name: str) -> nn.Module:
@@ -228,7 +167,7 @@ def readout_roles(
 
     Only parameters of the right shape (weight ``(K, d)``, bias ``(K,)`` with ``K`` the size
     of the output's last dim) that are not tied elsewhere get a role, and none where the
-    readout's output units are not ``independent`` (:meth:`ReadoutFinder.independent`).
+    output's units are not ``independent`` (:func:`rows_independent`).
     """
     if module_name is None or not independent:
         return {}
@@ -253,3 +192,50 @@ def readout_roles(
     if isinstance(bias, Tensor) and b_name in trainable and bias.shape == (num_outputs,):
         roles[b_name] = "bias"
     return roles
+
+
+def rows_independent(
+    output_of: Callable[[Mapping[str, Tensor]], Tensor],
+    state: Mapping[str, Tensor],
+    module_name: str,
+) -> bool:
+    """Whether each unit of the model output depends on its own row of the readout's weight
+    and bias alone, as the readout estimators assume: the output is computed once more with
+    row 0 of both moved, and its other units must come out bit for bit the same.
+
+    It fails where anything mixes the units: a head that normalises them in its own forward
+    (``log_softmax`` inside the module), an in-place change of the head's output after it
+    (``o -= o.mean(-1, keepdim=True)``), an ``output_fn`` that mixes them, or the weight read
+    elsewhere in the forward too (an embedding tied to it by reading ``head.weight``).
+
+    Args:
+        output_of: the model output (after ``output_fn``) at a state, with the same random
+            draws at every call (dropout).
+        state: the state the probe measured (parameter name -> tensor).
+        module_name: the readout module's name.
+
+    Examples:
+        >>> head = torch.nn.Linear(4, 5)
+        >>> x = torch.randn(3, 4)
+        >>> state = dict(head.named_parameters())
+        >>> def out(s):
+        ...     return torch.func.functional_call(head, dict(s), (x,))
+        >>> rows_independent(out, state, "")
+        True
+        >>> rows_independent(lambda s: out(s).log_softmax(-1), state, "")
+        False
+    """
+    prefix = f"{module_name}." if module_name else ""
+    with torch.no_grad():
+        before = output_of(state)
+        if before.dim() == 0 or before.shape[-1] == 1:
+            return True
+        moved = dict(state)
+        for name in (prefix + "weight", prefix + "bias"):
+            tensor = state.get(name)
+            if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == before.shape[-1]:
+                step = torch.zeros_like(tensor)
+                step[0] = 1.0
+                moved[name] = tensor.detach() + step
+        after = output_of(moved)
+    return after.shape == before.shape and bool(torch.equal(after[..., 1:], before[..., 1:]))

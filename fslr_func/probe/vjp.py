@@ -54,7 +54,7 @@ from .functional import (
     transformable_attention,
 )
 from .options import ProbeOptions, Strategy
-from .readout import ReadoutFinder, readout_roles
+from .readout import ReadoutFinder, readout_roles, rows_independent
 from .split_head import HeadCapture, LinearHead, SplitHead, linear_head
 
 __all__ = [
@@ -276,6 +276,16 @@ class VjpSetup:
         return result
 
 
+def _output_at(
+    model: nn.Module, inputs: Inputs, options: ProbeOptions, state: Mapping[str, Tensor]
+) -> Tensor:
+    """The model output (after ``output_fn``) at ``state``, with the same random draws at
+    every call: the forward's own seed, or a fixed one under a fork of the RNG state."""
+    seed = 0 if options.forward_seed is None else options.forward_seed
+    raw = model_forward(model, state, inputs, options.output_fn, forward_seed=seed)
+    return as_output_tensor(raw, options.output_fn)
+
+
 def prepare_vjp(
     model: nn.Module,
     inputs: Inputs,
@@ -337,7 +347,6 @@ def prepare_vjp(
 
     finder = ReadoutFinder(model) if readout == "auto" and cached is None else None
     found: list[str | None] = []
-    independent: list[bool] = []  # the found readout's output units, of their own rows alone
     out_shape: list[torch.Size] = []
     last_state: list[dict[str, Tensor]] = []
 
@@ -363,7 +372,6 @@ def prepare_vjp(
             warn_once(model, "tensor-hook", HOOK_WARNING)
         if finder is not None:
             found.append(finder.find(out))
-            independent.append(finder.independent())
         out_shape.append(out.shape)
         return out.reshape(-1)
 
@@ -384,7 +392,6 @@ def prepare_vjp(
             if strategy not in ("auto", "timed"):
                 raise
             found.clear()
-            independent.clear()
             out_shape.clear()
             out, vjp_fn, _ = _autograd_vjp(flat_output, primals, backward_context)
             warn_once(
@@ -402,7 +409,12 @@ def prepare_vjp(
     else:
         module_name = found[0] if found else (readout if readout != "auto" else None)
         last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
-        roles = readout_roles(model, module_name, primals, last_dim, independent=all(independent))
+        independent = module_name is None or rows_independent(
+            functools.partial(_output_at, model, inputs, options),
+            {**fixed, **tensors.constants(), **primals},
+            module_name,
+        )
+        roles = readout_roles(model, module_name, primals, last_dim, independent=independent)
         views = {
             n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
             for n, d in delta.items()

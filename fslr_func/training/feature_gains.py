@@ -31,6 +31,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from ..probe.connectivity import DisconnectedOutputError
 from ..probe.exact import exact
 from ..probe.functional import Inputs, OutputFn
 from ..probe.names import block_role
@@ -208,12 +209,15 @@ def feature_gains(
     """
     point = _trainable(model) if params is None else dict(params)
     out = exact(model, inputs, delta, params=point, output_fn=output_fn)
-    features = exact(
-        SubmoduleTensor(model, readout, output=at_output),
-        inputs,
-        {f"m.{n}": d for n, d in delta.items()},
-        params={f"m.{n}": v for n, v in point.items()},
-    )
+    try:
+        features = exact(
+            SubmoduleTensor(model, readout, output=at_output),
+            inputs,
+            {f"m.{n}": d for n, d in delta.items()},
+            params={f"m.{n}": v for n, v in point.items()},
+        )
+    except DisconnectedOutputError:  # no update moves the features (only the readout trains)
+        return {}
     gains = {}
     for name in delta:
         o, f = float(out[name]), float(features[f"m.{name}"])

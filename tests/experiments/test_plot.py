@@ -108,3 +108,15 @@ def test_missing_matplotlib_names_the_extra(
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     with pytest.raises(ImportError, match=r"pip install 'fslr_func\[plot\]'"):
         plot.plot_fslr_time(_record(), tmp_path / "x.png")
+
+
+def test_a_record_plots_with_rates_for_some_tensors_and_names_its_optimiser(tmp_path: Path) -> None:
+    # a KeyError when lrs covered some tensors only; the title always said "Adam"
+    record = FSLRRecord(
+        steps=[0, 1], fslr={"input.weight": [1.0, 2.0], "readout.weight": [0.5, 0.25]},
+        lrs={"input.weight": [0.1, 0.1]}, sched=[1.0, 0.5],
+        meta={"base_lr": 0.05, "optimizer": "SGD", "model": "MLP"},
+    )  # fmt: skip
+    path = plot.plot_fslr_time(record, tmp_path / "fslr.png")
+    assert path.stat().st_size > 0
+    assert plot.KIND_COLOURS["FF down"] != plot.KIND_COLOURS["hidden"]

@@ -590,3 +590,36 @@ def test_optimizer_meta_is_json_able() -> None:
     rec = FSLRRecord(meta=m)
     assert rec.meta["optimizer"] == "AdamW"
     del sched
+
+
+def test_what_a_user_analysing_records_met() -> None:
+    # append took names the schema refuses ("" failed at the first save; 1 and "1" kept one)
+    rec = FSLRRecord()
+    for row in ({"": 0.5}, {1: 0.5, "1": 0.7}):
+        with pytest.raises(ValueError, match="is no tensor name"):
+            rec.append(0, row)  # type: ignore[dict-item]
+    assert len(rec) == 0
+    # a record without rows kept no tensor columns in its CSV
+    from fslr_func.io.record_tables import csv_text
+
+    empty = FSLRRecord(fslr={"w": [], "b": []}, lrs={"w": []})
+    assert csv_text(empty).split() == ["step,sched,fslr/w,fslr/b,lr/w"]
+
+    # record 0 leaving estimator null hid the conflict of the others
+    def of(estimator: str | None, value: float, seed: int) -> FSLRRecord:
+        meta = {"seed": seed, **({"estimator": estimator} if estimator else {})}
+        return FSLRRecord(steps=[0], fslr={"w": [value]}, meta=meta)
+
+    with pytest.raises(ValueError, match=r"record 2 vs record 1: different meta\['estimator'\]"):
+        FSLRRecord.mean([of(None, 1.0, 0), of("kron", 3.0, 1), of("full", 8.0, 2)])
+    # a mean of means counts every seed once (it weighted each record once: 5.0, not 4.0),
+    # and takes the estimator record 0 left null from the others
+    pair = FSLRRecord.mean([of(None, 1.0, 0), of("kron", 3.0, 1)])
+    three = FSLRRecord.mean([pair, of("kron", 8.0, 2)])
+    assert three.fslr["w"] == [4.0] and three.meta["seed"] == [0, 1, 2]
+    assert pair.meta["estimator"] == "kron"
+    # records built from one meta dict shared its nested dicts
+    shared = {"cfg": {"width": 64}}
+    a, b = (FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta=shared) for _ in range(2))
+    a.meta["cfg"]["width"] = 256
+    assert b.meta["cfg"] == {"width": 64} and shared["cfg"] == {"width": 64}

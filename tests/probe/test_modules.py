@@ -14,6 +14,8 @@ same cases.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from cases import CASES, Case, DictOut, TupleOut, build, jdw, mlp, quiet, x_of
@@ -221,6 +223,54 @@ def test_a_leaf_head_that_mixes_its_output_units_gets_no_readout_estimators() ->
     scaled = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), _ScaledHead(6, 5)).double()
     delta = {"2.weight": torch.randn(5, 6, dtype=torch.float64)}
     assert probe(scaled, x, delta, samples=2).readout == {"2.weight": "weight"}
+
+
+class _CentredAfterHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 6), nn.Linear(6, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        o = self.head(torch.tanh(self.body(x)))
+        o -= o.mean(-1, keepdim=True)  # in place: the output is still the head's tensor
+        return o
+
+
+class _ReadoutReadAsEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = nn.Linear(6, 5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(nn.functional.embedding(idx, self.head.weight))  # tied by a raw read
+
+
+@pytest.mark.parametrize(
+    ("make", "inputs", "readout", "output_fn"),
+    [
+        (_CentredAfterHead, lambda: torch.randn(8, 6), "auto", None),
+        (_ReadoutReadAsEmbedding, lambda: torch.randint(0, 5, (8,)), "auto", None),
+        # the docs' advice for an output_fn that computes a new tensor: name the head
+        (_CentredAfterHead, lambda: torch.randn(8, 6), "head", lambda o: o.log_softmax(-1)),
+    ],
+)
+def test_output_units_mixed_after_the_head_give_no_readout_estimators(
+    make: type[nn.Module], inputs: Any, readout: str, output_fn: Any
+) -> None:
+    """Was: the readout estimators read a shift of every logit, which the output ignores
+    (``exact`` 0), as 0.9-1.1; the in-place centring, the raw read and the named head with a
+    mixing ``output_fn`` all kept the row-independent estimators."""
+    torch.manual_seed(0)
+    model = make().double()
+    x = inputs()
+    if x.is_floating_point():
+        x = x.double()
+    shift = {"head.bias": torch.ones(5, dtype=torch.float64)}
+    options = {"readout": readout, "output_fn": output_fn}
+    assert probe(model, x, shift, samples=2, **options).readout == {}
+    if make is _CentredAfterHead:  # the shift moves nothing there
+        est = ff.estimate(model, x, shift, generator=torch.Generator().manual_seed(0), **options)
+        assert float(est["head.bias"]) < 1e-6
 
 
 def test_compiled_model_names_and_values_match_the_original() -> None:

@@ -320,3 +320,15 @@ def test_an_added_block_is_hidden_by_the_policys_counterpart_under_any_block_pat
     assert set(hidden_fan_in(shapes, base)) == {"layer0.lin.weight", "layer1.lin.weight"}
     links = {f"layer{i}.lin.weight": (f"layer{i // 2}.lin.weight",) for i in range(4)}
     assert hidden_fan_in(shapes, base, links) == dict.fromkeys(shapes, 4.0)
+
+
+def test_only_the_readout_training_gives_no_gains_instead_of_an_error() -> None:
+    # a linear probe on a frozen backbone: the features' exact raised "the model output does
+    # not depend on any of the measured parameters ... remove torch.no_grad()"
+    from fslr_func.training.feature_gains import feature_gains
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Tanh(), torch.nn.Linear(4, 2))
+    net[0].requires_grad_(False)
+    delta = {n: 0.1 * torch.ones_like(p) for n, p in net.named_parameters() if p.requires_grad}
+    assert feature_gains(net, torch.randn(8, 3), delta, readout="2") == {}
