@@ -7,7 +7,12 @@ mean of the seeds that know it (each estimates the same quantity); unknown in al
 unknown. ``meta`` is the first record's, with ``seed`` the list of all seeds; its
 per-step schedule (``sched_per_step``, what FLeRM follows between rows) is the step-by-step
 mean over the seeds whose runs reached each step (left out if a seed has none), and its
-``feature_gain`` the geometric mean over the seeds that recorded gains.
+``feature_gain`` the geometric mean over the seeds that recorded gains. A record that is a
+mean itself counts as its seeds (``len(meta["seed"])``), so that a mean of means is the mean
+of all the seeds, exactly where every seed knew every value and ran as long; where some of
+its seeds did not (an FSLR unknown in one, a shorter run), the mean of means weighs the
+others' values as all of its seeds' (a record keeps no per-value count): average the
+seeds' own records for the exact mean.
 
 Seeds recorded on one probe schedule whose steps differ (a ``GradScaler`` skipped a probed
 step in one seed, and the probe moved to the next step) are averaged on the union of their

@@ -196,7 +196,7 @@ def readout_roles(
 
 def rows_independent(
     output_of: Callable[[Mapping[str, Tensor]], Tensor],
-    state: Mapping[str, Tensor],
+    params: Mapping[str, Tensor],
     module_name: str,
 ) -> bool:
     """Whether each unit of the model output depends on its own row of the readout's weight
@@ -206,36 +206,40 @@ def rows_independent(
     It fails where anything mixes the units: a head that normalises them in its own forward
     (``log_softmax`` inside the module), an in-place change of the head's output after it
     (``o -= o.mean(-1, keepdim=True)``), an ``output_fn`` that mixes them, or the weight read
-    elsewhere in the forward too (an embedding tied to it by reading ``head.weight``).
+    elsewhere in the forward too (an embedding tied to it by reading ``head.weight``). Where
+    the output cannot be told apart from itself (two forwards at the same point differ:
+    randomness the forward seed does not fix, such as a module's own generator), nothing is
+    concluded and the estimators are kept, as before the check.
 
     Args:
-        output_of: the model output (after ``output_fn``) at a state, with the same random
-            draws at every call (dropout).
-        state: the state the probe measured (parameter name -> tensor).
+        output_of: the model output (after ``output_fn``) with the given parameters replaced,
+            each call on fresh copies of the buffers and with the same torch random draws.
+        params: the parameters the probe measured at (name -> tensor).
         module_name: the readout module's name.
 
     Examples:
         >>> head = torch.nn.Linear(4, 5)
         >>> x = torch.randn(3, 4)
-        >>> state = dict(head.named_parameters())
-        >>> def out(s):
-        ...     return torch.func.functional_call(head, dict(s), (x,))
-        >>> rows_independent(out, state, "")
+        >>> def out(moved):
+        ...     return torch.func.functional_call(head, dict(moved), (x,))
+        >>> rows_independent(out, dict(head.named_parameters()), "")
         True
-        >>> rows_independent(lambda s: out(s).log_softmax(-1), state, "")
+        >>> rows_independent(lambda m: out(m).log_softmax(-1), dict(head.named_parameters()), "")
         False
     """
     prefix = f"{module_name}." if module_name else ""
     with torch.no_grad():
-        before = output_of(state)
+        before = output_of({})
         if before.dim() == 0 or before.shape[-1] == 1:
             return True
-        moved = dict(state)
+        moved: dict[str, Tensor] = {}
         for name in (prefix + "weight", prefix + "bias"):
-            tensor = state.get(name)
+            tensor = params.get(name)
             if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == before.shape[-1]:
                 step = torch.zeros_like(tensor)
                 step[0] = 1.0
                 moved[name] = tensor.detach() + step
         after = output_of(moved)
-    return after.shape == before.shape and bool(torch.equal(after[..., 1:], before[..., 1:]))
+        if after.shape == before.shape and torch.equal(after[..., 1:], before[..., 1:]):
+            return True
+        return not torch.equal(output_of({}), before)  # not reproducible: cannot tell

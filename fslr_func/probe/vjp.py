@@ -409,9 +409,12 @@ def prepare_vjp(
     else:
         module_name = found[0] if found else (readout if readout != "auto" else None)
         last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
+        point = {**fixed, **primals}
         independent = module_name is None or rows_independent(
-            functools.partial(_output_at, model, inputs, options),
-            {**fixed, **tensors.constants(), **primals},
+            lambda moved: _output_at(
+                model, inputs, options, {**point, **tensors.constants(), **moved}
+            ),  # fresh buffers for every forward: one may update them in place
+            point,
             module_name,
         )
         roles = readout_roles(model, module_name, primals, last_dim, independent=independent)

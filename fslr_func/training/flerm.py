@@ -65,9 +65,10 @@ import contextlib
 import hashlib
 import json
 import math
+import numbers
 import statistics
 import warnings
-from collections.abc import Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -77,7 +78,7 @@ from torch import Tensor
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from ..probe.names import short_list
-from ..stats.checks import integer, is_real, real
+from ..stats.checks import integer, real
 from . import policies
 from .controller import LogFn, StepController
 from .feature_gains import hidden_fan_in, require_readout, step_gains
@@ -652,33 +653,37 @@ class FLeRM(StepController):
                 "this FLeRM state is for other tensors: "
                 f"{sorted(set(state['names']) ^ set(self.names))[:10]} differ"
             )
-        ratios = _positive_numbers(state["ratios"], "ratios")
+        ratios = _saved_numbers(state["ratios"], "ratios", lambda v: 0 < v < math.inf)
         factors = state.get("feature_factors")
+        # a factor may be 0 or inf (a huge feature_power): the tensor is then held, by design
+        self.feature_factors = (
+            None if factors is None else _saved_numbers(factors, "factors", lambda v: v >= 0)
+        )
         self.ratios = ratios
-        self.feature_factors = None if factors is None else _positive_numbers(factors, "factors")
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
         self.targets.late |= {str(n) for n in state.get("late", ())}
         self._late_pending = {str(n) for n in state.get("late_pending", ())}
 
 
-def _positive_numbers(values: Any, what: str) -> dict[str, float]:
-    """A saved ``{tensor: number}`` (FLeRM's ratios, feature factors): every number finite
-    and ``> 0``, as the rule makes them, or a ``ValueError`` naming the first that is not (a
+def _saved_numbers(values: Any, what: str, valid: Callable[[float], bool]) -> dict[str, float]:
+    """A saved ``{tensor: number}`` (FLeRM's ratios, feature factors) whose numbers are all
+    ``valid`` as the rule makes them, or a ``ValueError`` naming the first that is not (a
     negative ratio would train that tensor by gradient ascent).
 
     Examples:
-        >>> _positive_numbers({"w": -1.0}, "ratios")  # doctest: +ELLIPSIS
+        >>> _saved_numbers({"w": -1.0}, "ratios", lambda v: v > 0)  # doctest: +ELLIPSIS
         Traceback (most recent call last):
         ...
-        ValueError: this FLeRM state's ratios['w'] is -1.0, not a finite number > 0: ...
+        ValueError: this FLeRM state's ratios['w'] is -1.0, which the rule never makes: ...
     """
     if not isinstance(values, Mapping):
         raise ValueError(f"this FLeRM state's {what} is not a dict: it is damaged or edited")
     for name, v in values.items():
-        if not (is_real(v) and 0 < float(v) < math.inf):
+        number = isinstance(v, numbers.Real) and not isinstance(v, bool)
+        if not (number and valid(float(v))):  # NaN fails every comparison
             raise ValueError(
-                f"this FLeRM state's {what}[{name!r}] is {v!r}, not a finite number > 0: it is "
-                "damaged or edited; load the state as it was saved"
+                f"this FLeRM state's {what}[{name!r}] is {v!r}, which the rule never makes: it "
+                "is damaged or edited; load the state as it was saved"
             )
     return {str(k): float(v) for k, v in values.items()}
 

@@ -324,9 +324,9 @@ class DropReports:
 
     Attributes:
         counts: the drops counted at the last reading.
-        dropping: the tensors whose probes the last reading found left out: a reading that
-            finds them left out again (a diverged run, every probe NaN) does not warn again;
-            once a reading finds none left out, the next drop warns.
+        dropping: the tensors whose probes a reading found left out: a reading that finds
+            them left out again (a diverged run, every probe NaN) does not warn again; once a
+            measured step folds a finite probe of them in, the next drop warns.
     """
 
     counts: dict[str, int] = field(default_factory=dict)
@@ -374,7 +374,7 @@ def read_estimates(
             if n not in reported.dropping:
                 by_step.setdefault(row.last_dropped, []).append(n)
             reported.dropping.add(n)
-        else:
+        elif n in folded and row.folded > 0:  # a measured step folded finite probes in
             reported.dropping.discard(n)
         reported.counts[n] = row.dropped
     if by_step:

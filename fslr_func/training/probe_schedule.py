@@ -170,11 +170,17 @@ class ProbeFeed:
         with torch.random.fork_rng(devices=[]):
             if self._it is None:
                 self._it = iter(self._source)
-                if len(self._draw(self._pending)) < self._pending:
+                try:
+                    skipped = self._draw(self._pending, keep=False)
+                except BaseException:
+                    self._it = None  # the skip is redone at the next draw
+                    raise
+                if len(skipped) < self._pending:
                     raise ValueError(
                         f"probe_batches has fewer than the {self._pending} batches the "
                         "checkpointed run used: hand in the same (re-created) iterable"
                     )
+                self._pending = 0
             out = self._draw(n)
         if len(out) < n:
             raise ValueError(
@@ -185,31 +191,33 @@ class ProbeFeed:
         self.used += n
         return out
 
-    def _draw(self, n: int) -> list[Inputs]:
+    def _draw(self, n: int, *, keep: bool = True) -> list[Inputs]:
         """The next ``n`` batches from the source (lists as tuples of positional arguments),
         cycling a re-iterable; fewer where a one-shot iterator runs out. If the source raises
-        (a transient read error), the batches drawn before are kept for the next draw."""
+        (a transient read error), the batches drawn before are kept for the next draw
+        (``keep``; a resume's skip is redone instead)."""
         assert self._it is not None
         out: list[Inputs] = []
         try:
             out += itertools.islice(self._it, n)
             while len(out) < n and self._cycles:
                 self._it = iter(self._source)
-                more = list(itertools.islice(self._it, n - len(out)))
-                if not more:
+                before = len(out)
+                out += itertools.islice(self._it, n - len(out))
+                if len(out) == before:
                     raise ValueError("probe_batches is empty: it yields no probe batch")
                 if not self._noted:
                     self._noted = True
                     warnings.warn(
-                        f"probe_batches ran out after one pass ({self.used + len(out)} "
+                        f"probe_batches ran out after one pass ({self.used + before} "
                         "batches); it is started again, so probe batches repeat (shuffle it "
                         "to vary them)",
                         RuntimeWarning,
                         stacklevel=4,
                     )
-                out += more
         except BaseException:
-            self._returned = [*_as_inputs(out), *self._returned]
+            if keep:
+                self._returned = [*_as_inputs(out), *self._returned]
             raise
         return _as_inputs(out)
 

@@ -273,6 +273,40 @@ def test_output_units_mixed_after_the_head_give_no_readout_estimators(
         assert float(est["head.bias"]) < 1e-6
 
 
+class _RunningNorm(nn.Module):
+    """An input normaliser whose forward updates its buffer in place (train mode)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.register_buffer("mean", torch.zeros(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.mean
+
+
+def test_a_forward_updating_a_buffer_or_drawing_its_own_noise_keeps_the_readout() -> None:
+    """The check of the output units ran its two forwards on one copy of the buffers (the
+    second saw the first's update: every unit moved) and took a module's own generator's
+    noise for mixing; a plain head lost its readout estimators for the whole run."""
+
+    class OwnNoise(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.generator = torch.Generator().manual_seed(0)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 0.1 * torch.randn(x.shape, generator=self.generator, dtype=x.dtype)
+
+    for front in (_RunningNorm(6), OwnNoise()):
+        torch.manual_seed(0)
+        model = nn.Sequential(front, nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 5)).double()
+        delta = {n: torch.randn_like(p) for n, p in model.named_parameters()}
+        found = probe(model, torch.randn(8, 6, dtype=torch.float64), delta, samples=2)
+        assert found.readout == {"3.weight": "weight", "3.bias": "bias"}
+
+
 def test_compiled_model_names_and_values_match_the_original() -> None:
     torch.manual_seed(0)
     plain = mlp().double()

@@ -284,6 +284,15 @@ def test_a_huge_feature_power_holds_the_tensor_instead_of_overflowing():
     assert all(math.isfinite(lr) and lr > 0 for lr in lrs.values())
     assert "2.weight" in flerm.history[0].held
     assert "2.weight" not in flerm.ratios and lrs["2.weight"] == 1e-2  # its group's rate
+    # its state loads back: a factor of 0 or inf is one the rule makes (it was refused as
+    # "damaged" by the state check)
+    fm, opt, probes = _setup(16)
+    again = ff.FLeRM(
+        fm, opt, base, probe_batches=probes, warmup_samples=4, match="features",
+        feature_power=1000.0,
+    )  # fmt: skip
+    again.load_state_dict(flerm.state_dict())
+    assert again.feature_factors == flerm.feature_factors
 
 
 def test_matching_features_refuses_a_wrapper_without_readout_at_construction():

@@ -437,6 +437,36 @@ def test_an_interrupted_probed_step_or_a_failing_draw_spends_no_probe_batch() ->
         assert interrupted.record == plain.record
 
 
+def test_a_probe_source_that_raises_during_a_resumes_skip_or_a_new_pass_loses_nothing() -> None:
+    from fslr_func.training.probe_schedule import ProbeFeed
+
+    class Source:
+        """A re-iterable of numbered batches whose ``fail``-th draw (over all passes)
+        raises once."""
+
+        def __init__(self, fail: int) -> None:
+            self.draws, self.fail, self.passes = 0, fail, 0
+
+        def __iter__(self) -> Any:
+            self.passes += 1
+            for i in range(3):
+                self.draws += 1
+                if self.draws == self.fail:
+                    raise OSError("a transient read error")
+                yield (self.passes, i)
+
+    feed = ProbeFeed(Source(fail=2))  # during the skip of a resumed run: redone, not kept
+    feed.skip(2)
+    with pytest.raises(OSError):
+        feed.take(2)
+    assert feed.take(2) == [(2, 2), (3, 0)]  # the skip's 2 batches passed over again
+    feed = ProbeFeed(Source(fail=5))  # in a second pass: the batch drawn before it is kept
+    with pytest.raises(OSError):
+        feed.take(5)
+    with pytest.warns(RuntimeWarning, match="ran out after one pass"):
+        assert feed.take(5) == [(1, 0), (1, 1), (1, 2), (2, 0), (3, 0)]
+
+
 def test_an_edited_or_damaged_state_is_refused_naming_what() -> None:
     # a negative ratio loaded (that tensor then trained by gradient ascent), a NaN one too,
     # a negative step count, and a version-2 state without its config skipped every check
@@ -468,7 +498,9 @@ def test_an_edited_or_damaged_state_is_refused_naming_what() -> None:
 def test_a_diverged_run_warns_once_not_at_every_probe() -> None:
     # weights gone NaN: every probe is left out; the Recorder warned at every row and a
     # periodic FLeRM twice per set point, for the rest of the run
-    def diverged(controller: Recorder | ff.FLeRM, fm: ff.FSLRModule, opt: Any) -> list[str]:
+    def diverged(
+        controller: Recorder | ff.FLeRM, fm: ff.FSLRModule, opt: Any, read_every_step: bool = False
+    ) -> list[str]:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             for t in range(12):
@@ -476,6 +508,8 @@ def test_a_diverged_run_warns_once_not_at_every_probe() -> None:
                 backward(fm, t)
                 with controller.step():
                     opt.step()
+                if read_every_step:
+                    fm.fslr()
                 if t == 3:
                     with torch.no_grad():
                         fm.module[0].weight.fill_(math.nan)
@@ -485,6 +519,13 @@ def test_a_diverged_run_warns_once_not_at_every_probe() -> None:
     opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
     rec = Recorder(fm, stream(1), optimizer=opt, warmup_samples=4, every=1)
     left_out = [m for m in diverged(rec, fm, opt) if "were left out" in m]
+    assert len(left_out) == 1
+    # the FSLRs read between probes too (a log every step, a probe every other step): a
+    # reading without a probe since the last re-armed the warning
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(1), optimizer=opt, warmup_samples=4, every=2)
+    left_out = [m for m in diverged(rec, fm, opt, read_every_step=True) if "were left out" in m]
     assert len(left_out) == 1
     fm = model(width=20)
     opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
