@@ -132,7 +132,7 @@ class ProbeFeed:
             )
         self._source = batches
         self._cycles = not isinstance(batches, Iterator)
-        self._it: Iterator[Inputs] | None = None
+        self._it: _Counting | None = None
         self._pending = 0
         self._noted = False
         self._returned: list[Inputs] = []
@@ -169,7 +169,7 @@ class ProbeFeed:
                 raise
         with torch.random.fork_rng(devices=[]):
             if self._it is None:
-                self._it = iter(self._source)
+                self._it = _Counting(iter(self._source))
                 try:
                     skipped = self._draw(self._pending, keep=False)
                 except BaseException:
@@ -201,7 +201,8 @@ class ProbeFeed:
         try:
             out += itertools.islice(self._it, n)
             while len(out) < n and self._cycles:
-                self._it = iter(self._source)
+                one_pass = self._it.count
+                self._it = _Counting(iter(self._source))
                 before = len(out)
                 out += itertools.islice(self._it, n - len(out))
                 if len(out) == before:
@@ -209,9 +210,8 @@ class ProbeFeed:
                 if not self._noted:
                     self._noted = True
                     warnings.warn(
-                        f"probe_batches ran out after one pass ({self.used + before} "
-                        "batches); it is started again, so probe batches repeat (shuffle it "
-                        "to vary them)",
+                        f"probe_batches ran out after one pass ({one_pass} batches); it is "
+                        "started again, so probe batches repeat (shuffle it to vary them)",
                         RuntimeWarning,
                         stacklevel=4,
                     )
@@ -220,6 +220,22 @@ class ProbeFeed:
                 self._returned = [*_as_inputs(out), *self._returned]
             raise
         return _as_inputs(out)
+
+
+class _Counting:
+    """An iterator that counts the items it has handed out (one pass of a re-iterable); an
+    error of the source passes through and leaves it usable, as the source is."""
+
+    def __init__(self, source: Iterator[Inputs]) -> None:
+        self.source, self.count = source, 0
+
+    def __iter__(self) -> _Counting:
+        return self
+
+    def __next__(self) -> Inputs:
+        item = next(self.source)
+        self.count += 1
+        return item
 
 
 def _as_inputs(batches: list[Any]) -> list[Inputs]:

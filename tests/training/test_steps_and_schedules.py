@@ -463,8 +463,12 @@ def test_a_probe_source_that_raises_during_a_resumes_skip_or_a_new_pass_loses_no
     feed = ProbeFeed(Source(fail=5))  # in a second pass: the batch drawn before it is kept
     with pytest.raises(OSError):
         feed.take(5)
-    with pytest.warns(RuntimeWarning, match="ran out after one pass"):
+    with pytest.warns(RuntimeWarning, match=r"ran out after one pass \(1 batches\)"):
         assert feed.take(5) == [(1, 0), (1, 1), (1, 2), (2, 0), (3, 0)]
+    resumed = ProbeFeed([0])  # a pass of one batch, resumed after two: it said 3
+    resumed.skip(2)
+    with pytest.warns(RuntimeWarning, match=r"ran out after one pass \(1 batches\)"):
+        assert resumed.take(1) == [0]
 
 
 def test_an_edited_or_damaged_state_is_refused_naming_what() -> None:
