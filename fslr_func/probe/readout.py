@@ -209,7 +209,8 @@ def rows_independent(
     elsewhere in the forward too (an embedding tied to it by reading ``head.weight``). Where
     the output cannot be told apart from itself (two forwards at the same point differ:
     randomness the forward seed does not fix, such as a module's own generator), nothing is
-    concluded and the estimators are kept, as before the check.
+    concluded and the estimators are kept, as before the check; so they are where the extra
+    forwards raise.
 
     Args:
         output_of: the model output (after ``output_fn``) with the given parameters replaced,
@@ -227,6 +228,18 @@ def rows_independent(
         >>> rows_independent(lambda m: out(m).log_softmax(-1), dict(head.named_parameters()), "")
         False
     """
+    try:
+        return _rows_independent(output_of, params, module_name)
+    except Exception:  # a forward that cannot run again outside the probe: cannot tell
+        return True
+
+
+def _rows_independent(
+    output_of: Callable[[Mapping[str, Tensor]], Tensor],
+    params: Mapping[str, Tensor],
+    module_name: str,
+) -> bool:
+    """:func:`rows_independent`'s check, raising what the forwards raise."""
     prefix = f"{module_name}." if module_name else ""
     with torch.no_grad():
         before = output_of({})
