@@ -228,31 +228,22 @@ def rows_independent(
         >>> rows_independent(lambda m: out(m).log_softmax(-1), dict(head.named_parameters()), "")
         False
     """
+    prefix = f"{module_name}." if module_name else ""
     try:
-        return _rows_independent(output_of, params, module_name)
+        with torch.no_grad():
+            before = output_of({})
+            if before.dim() == 0 or before.shape[-1] == 1:
+                return True
+            moved: dict[str, Tensor] = {}
+            for name in (prefix + "weight", prefix + "bias"):
+                tensor = params.get(name)
+                if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == before.shape[-1]:
+                    step = torch.zeros_like(tensor)
+                    step[0] = 1.0
+                    moved[name] = tensor.detach() + step
+            after = output_of(moved)
+            if after.shape == before.shape and torch.equal(after[..., 1:], before[..., 1:]):
+                return True
+            return not torch.equal(output_of({}), before)  # not reproducible: cannot tell
     except Exception:  # a forward that cannot run again outside the probe: cannot tell
         return True
-
-
-def _rows_independent(
-    output_of: Callable[[Mapping[str, Tensor]], Tensor],
-    params: Mapping[str, Tensor],
-    module_name: str,
-) -> bool:
-    """:func:`rows_independent`'s check, raising what the forwards raise."""
-    prefix = f"{module_name}." if module_name else ""
-    with torch.no_grad():
-        before = output_of({})
-        if before.dim() == 0 or before.shape[-1] == 1:
-            return True
-        moved: dict[str, Tensor] = {}
-        for name in (prefix + "weight", prefix + "bias"):
-            tensor = params.get(name)
-            if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == before.shape[-1]:
-                step = torch.zeros_like(tensor)
-                step[0] = 1.0
-                moved[name] = tensor.detach() + step
-        after = output_of(moved)
-        if after.shape == before.shape and torch.equal(after[..., 1:], before[..., 1:]):
-            return True
-        return not torch.equal(output_of({}), before)  # not reproducible: cannot tell
