@@ -584,10 +584,10 @@ class StepController:
             ValueError: another version's state, or (``strict``) other options.
         """
         check_state(state, self.kind, (1, _STATE_VERSION), self._config, strict)
-        counts = {k: _count(state, k, self.kind) for k in ("t", "probes_used")}
-        owed = _count({"owed": state.get("owed", 0)}, "owed", self.kind)
+        t, used = _count(state, "t", self.kind), _count(state, "probes_used", self.kind)
+        owed = _count(state, "owed", self.kind, default=0)
         self._load_own_state(state)
-        self.t = counts["t"]
+        self.t = t
         self._owed = owed
         since = state.get("stalled_since")
         self._stalled_since = None if since is None else int(since)
@@ -595,7 +595,7 @@ class StepController:
         self._stall_steps = int(state.get("stall_steps", 0 if since is None else self.t - since))
         self._stall_noted = bool(state.get("stall_noted", False))
         self._noted = set(state.get("noted", state.get("warned", ())))
-        self._feed.skip(counts["probes_used"])
+        self._feed.skip(used)
 
     def _own_state(self) -> dict[str, Any]:
         """The subclass's part of :meth:`state_dict`."""
@@ -605,8 +605,9 @@ class StepController:
         """Restore :meth:`_own_state` (checked before anything is changed)."""
 
 
-def _count(state: Mapping[str, Any], key: str, what: str) -> int:
-    """``state[key]``, a count (an int ``>= 0``), or a ``ValueError`` naming it.
+def _count(state: Mapping[str, Any], key: str, what: str, default: int | None = None) -> int:
+    """``state[key]`` (``default`` where absent), a count (an int ``>= 0``), or a
+    ``ValueError`` naming it.
 
     Examples:
         >>> _count({"t": -3}, "t", "FLeRM")  # doctest: +ELLIPSIS
@@ -614,13 +615,13 @@ def _count(state: Mapping[str, Any], key: str, what: str) -> int:
         ...
         ValueError: this FLeRM state's 't' is -3, not a count (an int >= 0): it is damaged ...
     """
-    value = state.get(key)
-    if not is_integer(value) or value < 0:  # type: ignore[operator]
+    value = state.get(key, default)
+    if not is_integer(value) or value < 0:
         raise ValueError(
             f"this {what} state's {key!r} is {value!r}, not a count (an int >= 0): it is "
             "damaged or edited; load the state as it was saved"
         )
-    return int(value)  # type: ignore[arg-type]
+    return int(value)
 
 
 class _ProbeState:

@@ -62,6 +62,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -451,9 +452,8 @@ class FLeRM(StepController):
         return out
 
     def _rate_limit(self, name: str) -> float:
-        """The largest rate for tensor ``name``: ``sqrt`` of its dtype's maximum, past which an
-        optimiser's update overflows (a 1e300 base FSLR or schedule ratio)."""
-        return float(torch.finfo(self.targets.params[name].dtype).max ** 0.5)
+        """The largest rate for tensor ``name`` (:func:`_dtype_rate_limit` of its dtype)."""
+        return _dtype_rate_limit(self.targets.params[name].dtype)
 
     def lrs(self) -> dict[str, float]:
         """Learning rate of each tensor at the next step (``t``), FLeRM and schedule applied."""
@@ -663,6 +663,18 @@ class FLeRM(StepController):
         self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
         self.targets.late |= {str(n) for n in state.get("late", ())}
         self._late_pending = {str(n) for n in state.get("late_pending", ())}
+
+
+@functools.cache
+def _dtype_rate_limit(dtype: torch.dtype) -> float:
+    """``sqrt`` of ``dtype``'s maximum, past which an optimiser's update overflows (a 1e300
+    base FSLR or schedule ratio); once per dtype, as every step asks for every tensor.
+
+    Examples:
+        >>> _dtype_rate_limit(torch.bfloat16) == torch.finfo(torch.bfloat16).max ** 0.5
+        True
+    """
+    return float(torch.finfo(dtype).max ** 0.5)
 
 
 def _saved_numbers(values: Any, what: str, valid: Callable[[float], bool]) -> dict[str, float]:

@@ -39,6 +39,22 @@ __all__ = ["DropReports", "Measurement", "Reading", "Row", "read_estimates"]
 
 
 @dataclass
+class DropReports:
+    """What the warnings about left-out probes have said, per tensor (the wrapper's, shared by
+    its readings).
+
+    Attributes:
+        counts: the drops counted at the last reading.
+        dropping: the tensors whose probes a reading found left out: a reading that finds
+            them left out again (a diverged run, every probe NaN) does not warn again; once a
+            measured step folds a finite probe of them in, the next drop warns.
+    """
+
+    counts: dict[str, int] = field(default_factory=dict)
+    dropping: set[str] = field(default_factory=set)
+
+
+@dataclass
 class Measurement:
     """One measured optimiser step, filled in when the ``measure`` block exits.
 
@@ -74,7 +90,7 @@ class Measurement:
     rounded: dict[str, Tensor] = field(default_factory=dict)
     ema: EMA | None = None
     inputs: list[Inputs] = field(default_factory=list)
-    reported: DropReports = field(default_factory=lambda: DropReports())
+    reported: DropReports = field(default_factory=DropReports)
     _reading: Reading | None = None
 
     @classmethod
@@ -315,22 +331,6 @@ class Row:
             bool(changed),
             bool(rounded),
         )
-
-
-@dataclass
-class DropReports:
-    """What the warnings about left-out probes have said, per tensor (the wrapper's, shared by
-    its readings).
-
-    Attributes:
-        counts: the drops counted at the last reading.
-        dropping: the tensors whose probes a reading found left out: a reading that finds
-            them left out again (a diverged run, every probe NaN) does not warn again; once a
-            measured step folds a finite probe of them in, the next drop warns.
-    """
-
-    counts: dict[str, int] = field(default_factory=dict)
-    dropping: set[str] = field(default_factory=set)
 
 
 def read_estimates(

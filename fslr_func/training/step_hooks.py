@@ -242,6 +242,7 @@ class StepHooks(_OptimizerHooks):
         self._stepped: set[int] = set()
         self._skipped: set[int] = set()
         self._passed: set[int] = set()  # skipped (fused) before the round's first step
+        self._nested: dict[int, int] = {}  # inner calls of an optimiser's step, still open
         self._busy = False
         super().__init__(self._optimizers)
 
@@ -251,13 +252,20 @@ class StepHooks(_OptimizerHooks):
         return bool(self._handles)
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._busy or nested_step(optimizer):
+        if self._busy:
             return
         key = id(optimizer)
+        unfinished = self._open is not None and key in self._entered - self._stepped
+        # inside this optimiser's own step (a subclass calling super().step()), or after a
+        # step of it that raised: the call stack tells, read only then
+        if unfinished and nested_step(optimizer):
+            self._nested[key] = self._nested.get(key, 0) + 1
+            return
+        self._nested.pop(key, None)  # (left by an inner call that raised)
         self._skipped.discard(key)  # (left by a skipped step that raised)
         if key in self._passed:  # its next step: a new round of steps has begun
             self._passed.clear()
-        if self._open is not None and key in self._entered - self._stepped:
+        if unfinished:
             warnings.warn(
                 "the previous optimizer.step() did not finish (it raised): its measurement is "
                 "discarded and the param groups were put back",
@@ -288,7 +296,8 @@ class StepHooks(_OptimizerHooks):
         self._entered.add(key)
 
     def _post(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if nested_step(optimizer):
+        if self._nested.get(id(optimizer)):  # the end of an inner call: not a step
+            self._nested[id(optimizer)] -= 1
             return
         if id(optimizer) in self._skipped:
             self._skipped.discard(id(optimizer))
