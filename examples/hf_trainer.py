@@ -82,7 +82,6 @@ def train(
         warmup_steps=2,  # a linear warm-up from 0
         logging_steps=2,
         report_to=[],
-        use_cpu=True,
         seed=0,
         disable_tqdm=True,
         save_steps=max(steps // 2, 1),
@@ -100,7 +99,12 @@ def train(
 
 
 def main(
-    out: str, steps: int = 6, arch: str = "gpt2", precision: str = "bf16", lora: bool = False
+    out: str,
+    steps: int = 6,
+    arch: str = "gpt2",
+    precision: str = "bf16",
+    lora: bool = False,
+    device: str = "cpu",
 ) -> tuple[transformers.Trainer, transformers.Trainer]:
     """Record the base run, train the wide model with FLeRM, and resume it half way.
 
@@ -110,12 +114,14 @@ def main(
 
     ``precision``: ``"bf16"`` (``Trainer(bf16=True)``: autocast, the usual way to fine-tune),
     ``"fp16"`` (``Trainer(fp16=True)``, with accelerate's ``GradScaler``) or ``"fp32"``.
+    ``device``: ``"cpu"`` (``use_cpu=True``) or ``"cuda"`` (the Trainer's own GPU).
 
     Returns:
         The uninterrupted wide run's Trainer and the resumed one's.
     """
     probes = dataset(16, offset=10_000)
     mixed = {"bf16": {"bf16": True}, "fp16": {"fp16": True}, "fp32": {}}[precision]
+    mixed["use_cpu"] = device == "cpu"
     base_dir = os.path.join(out, "base")
     callback = FSLRCallback(probes, every=2, warmup_samples=8)
     small = with_lora(build(arch, 64), 2) if lora else build(arch, 16)
@@ -138,10 +144,11 @@ if __name__ == "__main__":
     parser.add_argument("--arch", choices=["gpt2", "llama"], default="gpt2")
     parser.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     parser.add_argument("--lora", action="store_true", help="LoRA rank 2 -> 8 instead of width")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     cli = parser.parse_args()
     if cli.steps < 2:  # step 0 is a warm-up from 0: nothing is recorded before step 1
         parser.error(f"--steps must be at least 2, got {cli.steps}")
-    full, resumed = main(cli.out, cli.steps, cli.arch, cli.precision, cli.lora)
+    full, resumed = main(cli.out, cli.steps, cli.arch, cli.precision, cli.lora, cli.device)
     same = all(
         torch.equal(a, b)
         for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True)

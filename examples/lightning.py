@@ -69,6 +69,7 @@ def fit(
     steps: int,
     ckpt: str | None = None,
     precision: str = "bf16-mixed",
+    accelerator: str = "cpu",
 ) -> Classifier:
     """Train for ``steps`` optimiser steps; without ``ckpt``, checkpoint every 2 steps
     (``<out>/step-<step>.ckpt``, here the end of an epoch), else resume from ``ckpt``."""
@@ -83,7 +84,7 @@ def fit(
         every_n_train_steps=2,
     )  # fmt: skip
     trainer = pl.Trainer(
-        default_root_dir=out, max_steps=steps, accelerator="cpu", logger=False,
+        default_root_dir=out, max_steps=steps, accelerator=accelerator, logger=False,
         enable_progress_bar=False, enable_model_summary=False, enable_checkpointing=ckpt is None,
         accumulate_grad_batches=2, gradient_clip_val=1.0, precision=precision,
         callbacks=[callback] if ckpt else [callback, saving],
@@ -92,22 +93,26 @@ def fit(
     return module
 
 
-def main(out: str, steps: int = 4, precision: str = "bf16-mixed") -> tuple[Classifier, Classifier]:
+def main(
+    out: str, steps: int = 4, precision: str = "bf16-mixed", accelerator: str = "cpu"
+) -> tuple[Classifier, Classifier]:
     """Record the base run, train the wide one with FLeRM, and resume it half way, in
-    Lightning's ``precision`` (``"bf16-mixed"``: autocast, the usual way; ``"32-true"``)."""
+    Lightning's ``precision`` (``"bf16-mixed"``: autocast, the usual way; ``"32-true"``) on
+    Lightning's ``accelerator`` (``"cpu"``, ``"cuda"``)."""
     probes = torch.as_tensor(DATA.x_train[256:320], dtype=torch.float32)
     base_dir = os.path.join(out, "base")
-    fit(16, base_dir, FSLRCallback(probes, every=2, warmup_samples=8), steps, None, precision)
+    base = FSLRCallback(probes, every=2, warmup_samples=8)
+    fit(16, base_dir, base, steps, None, precision, accelerator)
     record = os.path.join(base_dir, "fslr_record.json")
 
     def callback() -> FLeRMCallback:
         return FLeRMCallback(record, probes, warmup_samples=8, mode="periodic", every=1)
 
     wide = os.path.join(out, "wide")
-    full = fit(64, wide, callback(), steps, None, precision)
+    full = fit(64, wide, callback(), steps, None, precision, accelerator)
     # the checkpoint at the last epoch end (every 2 steps) at or before half way
     half = os.path.join(wide, f"step-{max(2, steps // 4 * 2)}.ckpt")
-    resumed = fit(64, wide, callback(), steps, half, precision)
+    resumed = fit(64, wide, callback(), steps, half, precision, accelerator)
     return full, resumed
 
 
@@ -118,10 +123,11 @@ if __name__ == "__main__":
         "--steps", type=int, default=4, help="optimiser steps, at least 2 (the first checkpoint)"
     )
     parser.add_argument("--precision", default="bf16-mixed", help="Lightning's precision")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning's accelerator (cuda)")
     cli = parser.parse_args()
     if cli.steps < 2:  # step 0 is a warm-up from 0 (nothing recorded); it resumes at step 2
         parser.error(f"--steps must be at least 2, got {cli.steps}")
-    full, resumed = main(cli.out, cli.steps, cli.precision)
+    full, resumed = main(cli.out, cli.steps, cli.precision, cli.accelerator)
     same = all(
         torch.equal(a, b) for a, b in zip(full.parameters(), resumed.parameters(), strict=True)
     )

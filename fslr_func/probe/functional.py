@@ -334,10 +334,25 @@ def _check_delta_structure(delta: Mapping[str, Tensor], tensors: ModuleTensors, 
         )
 
 
+def stored_entries(t: Tensor) -> Tensor:
+    """The entries ``t`` stores: its values for a sparse tensor (a sparse embedding's
+    gradient, coalesced: duplicate indices summed), else ``t`` itself.
+
+    Examples:
+        >>> g = torch.sparse_coo_tensor([[0, 2, 2]], [1.0, 2.0, 3.0], (4,))
+        >>> stored_entries(g).tolist(), stored_entries(torch.ones(2)).tolist()
+        ([1.0, 5.0], [1.0, 1.0])
+    """
+    if t.layout == torch.strided:
+        return t
+    return t.coalesce().values() if t.layout == torch.sparse_coo else t.values()
+
+
 def all_finite(t: Tensor) -> bool:
     """Whether every entry of ``t`` is finite, without an elementwise mask of ``t``'s size.
 
     A NaN or Inf entry makes the sum NaN or Inf, so a finite sum proves every entry finite;
+    of a sparse tensor, its stored entries are tested;
     only when the sum is not (a non-finite entry, or finite entries whose sum overflows) is
     the elementwise test run, whose temporaries cost several times ``t`` (0.9 GB for a
     language model's 131M logits). One or two host reads.
@@ -350,6 +365,7 @@ def all_finite(t: Tensor) -> bool:
     """
     if not t.is_floating_point():
         return True
+    t = stored_entries(t)
     return bool(torch.isfinite(t.sum())) or bool(torch.isfinite(t).all())
 
 

@@ -162,12 +162,16 @@ def readout_roles(
     num_outputs: int,
     *,
     independent: bool = True,
+    named: bool = False,
 ) -> dict[str, ReadoutRole]:
     """Map the readout module's own weight/bias names to ``"weight"``/``"bias"``.
 
     Only parameters of the right shape (weight ``(K, d)``, bias ``(K,)`` with ``K`` the size
     of the output's last dim) that are not tied elsewhere get a role, and none where the
-    output's units are not ``independent`` (:func:`rows_independent`).
+    output's units are not ``independent`` (:func:`rows_independent`). A module the user
+    ``named`` whose weight is not ``(K, d)`` is warned of; one found by ``readout="auto"``
+    (a head stored as ``(in, out)``, an ``nn.Embedding`` at the end) is not: its tensors
+    get the tensor-normal estimator, as for any layer.
     """
     if module_name is None or not independent:
         return {}
@@ -180,12 +184,13 @@ def readout_roles(
     if isinstance(weight, Tensor) and w_name in trainable and untied and weight.dim() == 2:
         if weight.shape[0] == num_outputs:
             roles[w_name] = "weight"
-        else:  # only a named module can miss: the one found computed the output
+        elif named:
             warnings.warn(
                 f"readout={module_name!r} has a weight of shape {tuple(weight.shape)}, but the "
                 f"model output has {num_outputs} entries on its last dim: it does not compute "
-                "the output, so its tensors get the tensor-normal estimator, not the "
-                "readout's; name the layer that computes the output or pass readout='auto'",
+                "the output, or stores its weight as (in, out), so its tensors get the "
+                "tensor-normal estimator, not the readout's; name the layer that computes the "
+                "output with a weight of shape (outputs, inputs), or pass readout='auto'",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -200,8 +205,11 @@ def rows_independent(
     module_name: str,
 ) -> bool:
     """Whether each unit of the model output depends on its own row of the readout's weight
-    and bias alone, as the readout estimators assume: the output is computed once more with
-    row 0 of both moved, and its other units must come out bit for bit the same.
+    and bias alone, as the readout estimators assume: the output is computed twice more, with
+    the even rows of both moved and with the odd rows moved, and each time the units of the
+    other half must come out bit for bit the same. (Moving row 0 alone proved nothing where
+    the forward never reads it otherwise: a tied embedding reading ``head.weight`` with no
+    token 0 in the batch, a square head stored as ``(in, out)`` whose input unit 0 is dead.)
 
     It fails where anything mixes the units: a head that normalises them in its own forward
     (``log_softmax`` inside the module), an in-place change of the head's output after it
@@ -234,16 +242,23 @@ def rows_independent(
             before = output_of({})
             if before.dim() == 0 or before.shape[-1] == 1:
                 return True
-            moved: dict[str, Tensor] = {}
-            for name in (prefix + "weight", prefix + "bias"):
-                tensor = params.get(name)
-                if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == before.shape[-1]:
-                    step = torch.zeros_like(tensor)
-                    step[0] = 1.0
-                    moved[name] = tensor.detach() + step
-            after = output_of(moved)
-            if after.shape == before.shape and torch.equal(after[..., 1:], before[..., 1:]):
-                return True
-            return not torch.equal(output_of({}), before)  # not reproducible: cannot tell
+            units = before.shape[-1]
+            for half, other in (
+                (slice(0, None, 2), slice(1, None, 2)),
+                (slice(1, None, 2), slice(0, None, 2)),
+            ):
+                moved: dict[str, Tensor] = {}
+                for name in (prefix + "weight", prefix + "bias"):
+                    tensor = params.get(name)
+                    if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == units:
+                        step = torch.zeros_like(tensor)
+                        step[half] = 1.0
+                        moved[name] = tensor.detach() + step
+                after = output_of(moved)
+                if after.shape != before.shape or not torch.equal(
+                    after[..., other], before[..., other]
+                ):
+                    return not torch.equal(output_of({}), before)  # not reproducible: cannot tell
+            return True
     except Exception:  # a forward that cannot run again outside the probe: cannot tell
         return True

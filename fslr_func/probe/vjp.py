@@ -417,7 +417,9 @@ def prepare_vjp(
             point,
             module_name,
         )
-        roles = readout_roles(model, module_name, primals, last_dim, independent=independent)
+        roles = readout_roles(
+            model, module_name, primals, last_dim, independent=independent, named=readout != "auto"
+        )
         views = {
             n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
             for n, d in delta.items()

@@ -31,6 +31,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch._C._functorch as functorch
 from torch import Tensor
 
 _LOG4 = 2.0 * math.log(2.0)
@@ -179,7 +180,10 @@ class ProductStatistics:
             overwrite: the gradients are the caller's to discard: each contiguous one of
                 the statistic dtype is turned into ``Z'`` in place, saving the allocation of
                 a tensor of its size (the statistics are the same bit for bit); otherwise
-                they are not modified.
+                they are not modified. A gradient whose memory a later name's gradient
+                shares (autograd hands ``a + b``'s one gradient to both operands, and a view
+                of it to a parameter used through ``.view``: LSTM's two biases) is never
+                overwritten: the later name reads it as it was.
 
         Returns:
             tensor name -> ``[log q_0, log q_{d=0}, ..., log q_{d=D-1}, log q_full]`` for
@@ -187,21 +191,23 @@ class ProductStatistics:
             ``+inf`` where ``Z`` is not finite).
         """
         given = [grads[name].detach() for name in self.updates]
+        writable = _unshared_after(given) if overwrite else [False] * len(given)
         xs = [
             g.to(torch.promote_types(_stat_dtype(g.dtype), u.tensor.dtype))
             for g, u in zip(given, self.updates.values(), strict=True)
         ]
         peaks = self._powers_of_two([x.amax() for x in xs], [x.amin() for x in xs])
         values: list[Tensor] = []
-        for g, x, scale, update, view in zip(
+        for g, x, free, scale, update, view in zip(
             given,
             xs,
+            writable,
             peaks.reciprocal().unbind(0),
             self.updates.values(),
             self.views.values(),
             strict=True,
         ):
-            in_place = x is not g or (overwrite and x.is_contiguous())
+            in_place = x is not g or (free and x.is_contiguous())
             values += _reduce(_scaled(x, scale, in_place).mul_(update.tensor).reshape(view))
         log_peaks = peaks.to(torch.float64).log_().index_select(0, self.owner)
         logs = torch.stack(values).abs_().to(torch.float64).log_().mul_(self.powers)
@@ -227,6 +233,33 @@ class ProductStatistics:
         stacked = torch.maximum(stacked, floors)  # float64 if any tensor is
         mantissa, _ = torch.frexp(stacked)  # max |g| = m 2^e, m in [1/2, 1): p = 2^(e-1)
         return stacked.div_(mantissa.add_(mantissa))
+
+
+def _storage(t: Tensor) -> int | None:
+    """The address of the memory under ``t``, through torch.func's wrappers (a vmapped
+    gradient is a wrapper whose own storage cannot be read); None where it cannot be read."""
+    try:
+        while functorch.is_batchedtensor(t) or functorch.is_gradtrackingtensor(t):
+            t = functorch.get_unwrapped(t)
+        return int(t.untyped_storage().data_ptr())
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return None
+
+
+def _unshared_after(tensors: Sequence[Tensor]) -> list[bool]:
+    """Per tensor, whether no later tensor of ``tensors`` lies in the same memory (so that
+    overwriting it leaves what the later ones read intact); all False where any tensor's
+    memory cannot be read.
+
+    Examples:
+        >>> g = torch.ones(6)
+        >>> _unshared_after([g, torch.ones(2), g.view(2, 3)])
+        [False, True, True]
+    """
+    storages = [_storage(t) for t in tensors]
+    if None in storages:
+        return [False] * len(storages)
+    return [s not in storages[i + 1 :] for i, s in enumerate(storages)]
 
 
 def _scaled(x: Tensor, scale: Tensor, in_place: bool) -> Tensor:

@@ -86,6 +86,7 @@ from .feature_gains import hidden_fan_in, require_readout, step_gains
 from .flerm_rule import Match, match, rate
 from .flerm_targets import BaseTargets, Note, PastEnd, Unknown
 from .probe_schedule import ProbePlan
+from .rates import group_lr
 from .update_scaling import UpdateScaler
 from .wrapper import FSLRModule, Measurement
 
@@ -332,6 +333,10 @@ class FLeRM(StepController):
             raise TypeError("FLeRM drives one optimiser: build one FLeRM per optimiser")
         (self.optimizer,) = self.optimizers
         self.scaler = UpdateScaler(self.optimizer)
+        # without a scheduler the groups' rates stay as they are: a change is warned of, once
+        self._unscheduled_lrs = (
+            None if scheduler is not None else [group_lr(g) for g in self.optimizer.param_groups]
+        )
         self.targets = BaseTargets(fm, base, resolved, unknown, past_end)
         self.min_fslr = float(min_fslr)
         self.base = base
@@ -424,6 +429,7 @@ class FLeRM(StepController):
         if self.scheduler is None:
             if stepping:  # a step is taken at these rates (not a query of lrs())
                 self.targets.covers(step, "the base schedule at step")
+                self._note_unscheduled_change(step)
             base_ratio = self.base.schedule_at(step)
         driven = set(self.names)
         out: Rates = {}
@@ -506,6 +512,27 @@ class FLeRM(StepController):
 
     def _abandon(self) -> None:
         self._end_scaling()  # a skipped step's update is zero; nothing is logged
+
+    def _note_unscheduled_change(self, step: int) -> None:
+        """Warn, once, where a group's rate moved although no scheduler was passed: a
+        ``ReduceLROnPlateau`` (which sets no ``initial_lr``) or a rate set by hand, which
+        FLeRM's rates (the base record's schedule) would silently undo."""
+        if self._unscheduled_lrs is None:
+            return
+        groups = self.optimizer.param_groups  # groups added later are left out: strict=False
+        for i, (group, was) in enumerate(zip(groups, self._unscheduled_lrs, strict=False)):
+            now = group_lr(group)
+            if now != was:
+                self._unscheduled_lrs = None
+                warnings.warn(
+                    f"FLeRM step {step}: param group {i}'s rate changed from {was:.4g} to "
+                    f"{now:.4g}, but no scheduler was passed (scheduler=...): FLeRM's rates "
+                    "follow the base record's schedule, so this change has no effect. Pass the "
+                    "scheduler that changes it (a ReduceLROnPlateau too) as scheduler=...",
+                    RuntimeWarning,
+                    stacklevel=6,
+                )
+                return
 
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
         targets = self.targets.at(step, self.names, self._note_each)

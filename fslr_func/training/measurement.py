@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..probe.functional import Inputs, is_dtensor
+from ..probe.functional import Inputs, is_dtensor, stored_entries
 from ..probe.names import short_list
 from ..stats.estimator import EMA, fslr_from_log
 from .rates import ScaledSince, group_rates, rates_in_force
@@ -246,7 +246,8 @@ def _rounded_away(param: Tensor, changed: Tensor) -> Tensor:
     """Whether ``param`` has a finite, non-zero gradient but the step left it unchanged: a
     0-d bool on the device (its update rounded to nothing in the parameter's dtype)."""
     assert param.grad is not None
-    largest = param.grad.detach().abs().amax()
+    entries = stored_entries(param.grad.detach())  # a sparse embedding's: its stored rows
+    largest = entries.abs().amax() if entries.numel() else entries.new_zeros(())
     if is_dtensor(largest):
         largest = largest.full_tensor()  # type: ignore[attr-defined]
     return ~changed & (largest > 0) & largest.isfinite()

@@ -78,6 +78,16 @@ _INSTEAD = (
 )
 
 
+def _not_scalable(cls: type) -> str | None:
+    """Why FLeRM cannot drive optimisers of class ``cls`` itself (not its bases), or None."""
+    name, module = cls.__name__, cls.__module__
+    why = next(
+        (w for (pkg, c), w in _NOT_PROPORTIONAL.items() if c == name and module.startswith(pkg)),
+        None,
+    )
+    return why or next((w for pkg, w in _GROUP_COUPLED.items() if module.startswith(pkg)), None)
+
+
 def check_scalable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimiser whose step at one rate, scaled, is not its step at another.
 
@@ -97,13 +107,8 @@ def check_scalable(optimizer: torch.optim.Optimizer) -> None:
         ...
         ValueError: FLeRM cannot drive Rprop: its step sizes start at lr ...
     """
-    cls = type(optimizer)
-    name, module = cls.__name__, cls.__module__
-    why = next(
-        (w for (pkg, c), w in _NOT_PROPORTIONAL.items() if c == name and module.startswith(pkg)),
-        None,
-    )
-    why = why or next((w for pkg, w in _GROUP_COUPLED.items() if module.startswith(pkg)), None)
+    name = type(optimizer).__name__
+    why = next(filter(None, map(_not_scalable, type(optimizer).__mro__)), None)  # subclasses too
     if why is not None:
         raise ValueError(
             f"FLeRM cannot drive {name}: {why}, so FLeRM's per-tensor rates (each tensor's "

@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 import torch
+from _device import DEVICE
 from torch import Tensor
 from torch.func import functional_call, jvp
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -57,11 +58,12 @@ def gpt2(
     config = transformers.GPT2Config(
         n_layer=2, n_embd=n_embd, n_head=2, vocab_size=VOCAB, n_positions=32, **kw
     )
-    return transformers.GPT2LMHeadModel(config).to(dtype).train(train)
+    return transformers.GPT2LMHeadModel(config).to(DEVICE, dtype).train(train)
 
 
 def tokens(seed: int = 1, batch: int = 2, length: int = 8) -> Tensor:
-    return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, VOCAB, (batch, length), generator=g).to(DEVICE)
 
 
 def batch(seed: int = 1, **kw: Any) -> dict[str, Any]:
@@ -71,7 +73,7 @@ def batch(seed: int = 1, **kw: Any) -> dict[str, Any]:
 def random_delta(model: Any, seed: int = 2, scale: float = 1e-3) -> dict[str, Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
-        n: scale * torch.randn(p.shape, generator=g, dtype=p.dtype)
+        n: scale * torch.randn(p.shape, generator=g, dtype=p.dtype).to(DEVICE)
         for n, p in model.named_parameters()
         if p.requires_grad
     }
@@ -146,7 +148,7 @@ def test_sdpa_and_eager_attention_measure_the_same_function() -> None:
 def test_inputs_with_attention_mask_and_the_default_cache_setting() -> None:
     model = gpt2()
     delta = random_delta(model)
-    mask = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.long, device=DEVICE)
     mask[1, 5:] = 0  # right padding
     plain = ff.exact(model, {"input_ids": tokens()}, delta, output_fn=logits)
     cached = ff.exact(model, {"input_ids": tokens(), "use_cache": True}, delta, output_fn=logits)
@@ -175,7 +177,7 @@ def test_gradient_checkpointing_gives_the_same_numbers() -> None:
     inputs, delta = batch(), random_delta(model)
     g = torch.Generator().manual_seed(5)
     before = {
-        n: p.detach() + 0.01 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+        n: p.detach() + 0.01 * torch.randn(p.shape, generator=g, dtype=p.dtype).to(DEVICE)
         for n, p in model.named_parameters()
     }
 
@@ -347,10 +349,10 @@ def test_dropout_in_gpt2_and_lora_shares_a_seed_between_probe_and_exact(strategy
     )
     exact = ff.exact(model, inputs, delta, output_fn=logits, forward_seed=0)
     g = torch.Generator().manual_seed(0)
-    cpu = torch.device("cpu")
+    cpu = torch.device("cpu")  # the omegas come from the CPU generator the probe was given
     omegas = torch.stack(
         [draw_omega(r.num_outputs, "gaussian", g, cpu, torch.float64) for _ in range(2)]
-    )
+    ).to(DEVICE)
     for n, d in delta.items():
         t = jdw(model, inputs, n, d, seed=0)
         torch.testing.assert_close(exact[n], t.square().mean().sqrt(), rtol=1e-8, atol=0)

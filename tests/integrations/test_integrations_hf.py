@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from _device import DEVICE
 from _scripts import load_script
 
 from fslr_func.io.record import FSLRRecord
@@ -26,7 +27,7 @@ def example() -> Any:
 
 def check(tmp_path: Path, arch: str, precision: str = "bf16", lora: bool = False) -> None:
     full, resumed = example().main(
-        str(tmp_path), steps=2, arch=arch, precision=precision, lora=lora
+        str(tmp_path), steps=2, arch=arch, precision=precision, lora=lora, device=DEVICE.type
     )
     record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
     assert record.steps == [1]  # the warm-up from 0 makes step 0 unmeasurable
@@ -110,7 +111,7 @@ def test_report_to_tensorboard_reports_fslr_after_log_to_reporters(
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, learning_rate=1e-3,
         logging_steps=1, report_to=["tensorboard"],
-        use_cpu=True, disable_tqdm=True, save_strategy="no",
+        use_cpu=DEVICE.type == "cpu", disable_tqdm=True, save_strategy="no",
     )  # fmt: skip
     trainer = transformers.Trainer(
         model=ex.build("gpt2", 16), args=args, train_dataset=ex.dataset(8),
@@ -173,7 +174,7 @@ def test_probe_rows_that_are_not_model_inputs_are_named_as_such(
     train = [{"input_ids": list(range(8)), "labels": list(range(8))}] * 4
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=1, per_device_train_batch_size=4, report_to=[],
-        use_cpu=True, disable_tqdm=True, save_strategy="no",
+        use_cpu=DEVICE.type == "cpu", disable_tqdm=True, save_strategy="no",
     )  # fmt: skip
     trainer = transformers.Trainer(
         model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=train,
@@ -205,8 +206,8 @@ def test_resume_never_takes_the_fslr_state_of_another_runs_checkpoint(tmp_path: 
         callback = FSLRCallback(rows[:4], every=1, warmup_samples=2, fslr_options={"seed": 0})
         args = transformers.TrainingArguments(
             output_dir=str(tmp_path / out), max_steps=2, per_device_train_batch_size=4,
-            learning_rate=lr, logging_steps=1, save_steps=1, report_to=[], use_cpu=True,
-            disable_tqdm=True, seed=0,
+            learning_rate=lr, logging_steps=1, save_steps=1, report_to=[],
+            use_cpu=DEVICE.type == "cpu", disable_tqdm=True, seed=0,
         )  # fmt: skip
         transformers.Trainer(
             model=transformers.GPT2LMHeadModel(config), args=args, train_dataset=train,
@@ -285,7 +286,7 @@ def test_an_encoder_decoder_probe_feeds_the_decoder_the_labels_shifted(
     callback = FSLRCallback(rows[:4], every=1, warmup_samples=4, fslr_options={"seed": 0})
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[],
-        use_cpu=True, disable_tqdm=True, save_strategy="no",
+        use_cpu=DEVICE.type == "cpu", disable_tqdm=True, save_strategy="no",
     )  # fmt: skip
     transformers.Trainer(
         model=model, args=args, train_dataset=rows, callbacks=[callback],

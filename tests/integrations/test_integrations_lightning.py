@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _device import DEVICE
 from _scripts import load_script
 
 from fslr_func.io.record import FSLRRecord
@@ -21,7 +22,7 @@ pytest.importorskip("lightning")
 @pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true", "32-true"])
 def test_lightning_record_flerm_checkpoint_resume(tmp_path: Path, precision: str) -> None:
     module = load_script("examples/lightning.py")
-    full, resumed = module.main(str(tmp_path), steps=4, precision=precision)
+    full, resumed = module.main(str(tmp_path), 4, precision, accelerator=DEVICE.type)
     record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
     assert record.steps == [1, 2]  # step 0 has rate 0 (warm-up from 0): its probes at step 1
     logged = full.trainer.callback_metrics
@@ -65,7 +66,7 @@ def test_lightning_plateau_scheduler_records_and_drives_flerm(tmp_path: Path) ->
     def fit(width: int, callback: pl.Callback, out: Path) -> Any:
         module = Plateau(width)
         trainer = pl.Trainer(
-            default_root_dir=str(out), max_steps=4, callbacks=[callback], accelerator="cpu",
+            default_root_dir=str(out), max_steps=4, callbacks=[callback], accelerator=DEVICE.type,
             logger=False, enable_progress_bar=False, enable_model_summary=False,
             enable_checkpointing=False,
         )  # fmt: skip

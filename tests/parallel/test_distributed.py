@@ -356,7 +356,8 @@ def test_with_fslr_local_and_data_parallel() -> None:
     fm = ff.with_fslr(nn.DataParallel(model), samples=2, seed=0)  # unwrapped, not distributed
     assert isinstance(fm, fd.DistributedFSLRModule) and not fm.distributed
     assert fm.module is model and isinstance(fm.ddp, nn.DataParallel)
-    x = torch.randn(5, 3)
+    # where CUDA is, DataParallel has moved the model to its first device: the inputs go there
+    x = torch.randn(5, 3).to(next(model.parameters()).device)
     assert torch.equal(fm(x), model(x))
     opt = torch.optim.SGD(fm.parameters(), lr=0.1)
     model(x).square().mean().backward()

@@ -250,6 +250,8 @@ class _ReadoutReadAsEmbedding(nn.Module):
     [
         (_CentredAfterHead, lambda: torch.randn(8, 6), "auto", None),
         (_ReadoutReadAsEmbedding, lambda: torch.randint(0, 5, (8,)), "auto", None),
+        # token 0 absent: moving row 0 alone moved nothing the embedding read
+        (_ReadoutReadAsEmbedding, lambda: torch.randint(1, 5, (8,)), "auto", None),
         # the docs' advice for an output_fn that computes a new tensor: name the head
         (_CentredAfterHead, lambda: torch.randn(8, 6), "head", lambda o: o.log_softmax(-1)),
     ],
@@ -271,6 +273,32 @@ def test_output_units_mixed_after_the_head_give_no_readout_estimators(
     if make is _CentredAfterHead:  # the shift moves nothing there
         est = ff.estimate(model, x, shift, generator=torch.Generator().manual_seed(0), **options)
         assert float(est["head.bias"]) < 1e-6
+
+
+class _InOutHead(nn.Module):
+    """A square head stored as ``(in, out)``: ``h @ weight``, its rows are input units."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 5))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight
+
+
+def test_a_square_head_whose_rows_are_input_units_gets_no_readout_estimators() -> None:
+    """Input unit 0 is dead (a ReLU of a large negative): moving row 0 changed no output,
+    so the check passed and the rows, which are not output units, got the estimators (0.64
+    of ``exact`` on a rank-1 update)."""
+    torch.manual_seed(0)
+    body = nn.Linear(6, 5)
+    with torch.no_grad():
+        body.weight[0].zero_()
+        body.bias[0] = -100.0
+    model = nn.Sequential(body, nn.ReLU(), _InOutHead()).double()
+    x = torch.randn(8, 6, dtype=torch.float64)
+    update = {"2.weight": torch.randn(5, 1, dtype=torch.float64) @ torch.randn(1, 5).double()}
+    assert probe(model, x, update, samples=2).readout == {}
 
 
 class _RunningNorm(nn.Module):

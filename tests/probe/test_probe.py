@@ -4,13 +4,15 @@ shares are in ``tests/probe/test_properties.py``)."""
 from __future__ import annotations
 
 import math
+import warnings
+from typing import Any
 
 import pytest
 import torch
 from conftest import MLP, DictOutput, ResMLP, random_delta
 from hypothesis import given
 from hypothesis import strategies as st
-from torch import nn
+from torch import Tensor, nn
 from torch.func import functional_call
 
 import fslr_func as ff
@@ -113,6 +115,38 @@ def test_a_named_readout_that_does_not_compute_the_output_is_not_silently_ignore
     with pytest.warns(RuntimeWarning, match=r"readout='hidden' has a weight of shape \(7, 7\).*3"):
         r = probe(model, torch.randn(3, 5), random_delta(model), readout="hidden")
     assert r.readout == {}
+
+
+class _InOutHead(nn.Module):
+    """``x @ weight + bias`` with the weight stored as ``(in, out)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.randn(8, 2)), nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x @ self.weight + self.bias
+
+
+@pytest.mark.parametrize(
+    ("model", "x"),
+    [
+        (
+            lambda: nn.Sequential(nn.Linear(3, 8), nn.Tanh(), _InOutHead()),
+            lambda: torch.randn(5, 3),
+        ),
+        (lambda: nn.Sequential(nn.Embedding(6, 4)), lambda: torch.tensor([[1, 2, 3]])),
+    ],
+)
+def test_a_readout_found_by_auto_with_an_in_out_weight_is_not_warned_of(model: Any, x: Any) -> None:
+    """The head found by ``readout="auto"`` was said not to compute the output, and the user,
+    who had passed ``readout="auto"``, was told to pass it. Its bias, ``(K,)``, still gets
+    the readout role; its weight the tensor-normal estimator."""
+    net = model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        r = probe(net, x(), random_delta(net), samples=2)
+    assert "0.weight" not in r.readout and "2.weight" not in r.readout
 
 
 @pytest.mark.parametrize(

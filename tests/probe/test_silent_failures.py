@@ -514,3 +514,46 @@ def test_a_state_of_another_configuration_is_refused_unless_strict_is_off() -> N
     same.load_state_dict(state)
     assert same.fslr() == saved.fslr()
     assert same.probes == 1
+
+
+class SharedGradient(nn.Module):
+    """``w`` and ``v`` enter the forward as ``w + v.view(...)``: autograd hands ``w`` the
+    gradient of the sum and ``v`` a view of the same memory (as ``nn.LSTM`` hands its two
+    biases one tensor)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.v = nn.Parameter(torch.randn(3, 4)), nn.Parameter(torch.randn(12))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(torch.tanh(x @ (self.w + self.v.view(3, 4))))
+
+
+@pytest.mark.parametrize("strategy", ["vmap", "loop", "autograd"])
+@pytest.mark.parametrize("model", ["view", "lstm"])
+def test_tensors_sharing_one_gradient_get_the_same_estimate(strategy: str, model: str) -> None:
+    """Equal gradients and equal updates give equal estimates. The probe turned each
+    gradient into its product with the update in place, so the second of two names sharing
+    the gradient's memory read the first one's product: ``v`` read 0.67 of ``exact`` and an
+    LSTM's ``bias_hh`` 0.2 of it."""
+    torch.manual_seed(0)
+    net: nn.Module
+    if model == "view":
+        net, x, fn, pair = SharedGradient(), torch.randn(5, 3), None, ("w", "v")
+    else:
+        net, x, pair = (
+            nn.LSTM(3, 4, batch_first=True),
+            torch.randn(2, 5, 3),
+            ("bias_ih_l0", "bias_hh_l0"),
+        )
+        fn = lambda o: o[0]  # noqa: E731
+    delta = {n: torch.randn_like(p) for n, p in net.named_parameters()}
+    delta[pair[1]] = delta[pair[0]].reshape(delta[pair[1]].shape).clone()
+    est = ff.estimate(
+        net, x, delta, samples=16, estimator="full", output_fn=fn, strategy=strategy,
+        generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+    exact = ff.exact(net, x, delta, output_fn=fn)
+    assert float(exact[pair[1]]) == pytest.approx(float(exact[pair[0]]), rel=1e-6)
+    assert float(est[pair[1]]) == pytest.approx(float(est[pair[0]]), rel=1e-6)

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _device import DEVICE, autocast, grad_scaler
 from _tiny import backward, model, stream
 
 import fslr_func as ff
@@ -239,7 +240,7 @@ def test_a_scaler_skipped_step_counts_the_same_for_fused_and_foreach_optimisers(
             if base is None
             else ff.FLeRM(fm, opt, base, probe_batches=stream(3), warmup_samples=8)
         )
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+        scaler = grad_scaler(init_scale=2.0**4, growth_interval=1)
         hooks = controller.attach() if form == "hooks" else contextlib.nullcontext()
         noted = form == "with" and base is None  # the with form's probed step 1 is skipped
         note = pytest.warns(RuntimeWarning, match="skipped its step") if noted else _nothing()
@@ -248,7 +249,7 @@ def test_a_scaler_skipped_step_counts_the_same_for_fused_and_foreach_optimisers(
                 opt.zero_grad()
                 x = torch.randn(
                     8, 6, generator=torch.Generator().manual_seed(t), dtype=torch.float64
-                )
+                ).to(DEVICE)
                 loss = fm(x).square().mean() * (torch.inf if t in (1, 3) else 1.0)
                 scaler.scale(loss).backward()
                 with controller.step() if form == "with" else contextlib.nullcontext():
@@ -274,17 +275,19 @@ def _scaled_run(form: str, skip: set[int], steps: int = 6) -> tuple[ff.FLeRM, li
     whose steps in ``skip`` see an inf loss; driven by its hooks or by ``with`` blocks."""
     base = base_record()
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(6, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3))
+    net = torch.nn.Sequential(torch.nn.Linear(6, 20), torch.nn.Tanh(), torch.nn.Linear(20, 3)).to(
+        DEVICE
+    )
     fm = ff.with_fslr(net, samples=4, seed=1, strategy="loop")
     opt = torch.optim.AdamW(fm.parameters(), lr=1e-2, fused=True)
     probes = (x.float() for x in stream(3))
     flerm = ff.FLeRM(fm, opt, base, probe_batches=probes, warmup_samples=8, mode="periodic")
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    scaler = grad_scaler(init_scale=2.0**4)
     with flerm.attach() if form == "hooks" else contextlib.nullcontext():
         for t in range(steps):
             opt.zero_grad()
-            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(t))
-            with torch.autocast("cpu", dtype=torch.bfloat16):
+            x = torch.randn(8, 6, generator=torch.Generator().manual_seed(t)).to(DEVICE)
+            with autocast(torch.bfloat16):
                 loss = fm(x).float().square().mean() * (torch.inf if t in skip else 1.0)
             scaler.scale(loss).backward()
             with flerm.step() if form == "with" else contextlib.nullcontext():
@@ -316,7 +319,7 @@ def test_a_with_block_is_a_skipped_step_only_when_the_scaler_skipped() -> None:
         for p in fm.parameters():
             p.sub_(1e-2 * p.grad)  # type: ignore[operator]
     assert rec.t == 1 and rec.record.steps == [0]
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = grad_scaler()
     for counted in (1, 2):
         opt.zero_grad()
         scaler.scale(fm(next(stream())).sum() * torch.inf).backward()
@@ -342,7 +345,7 @@ def test_a_round_whose_fused_optimiser_the_scaler_skipped_closes_in_its_own_iter
     first = torch.optim.Adam(matrices, lr=1e-2, fused=True)
     second = torch.optim.AdamW(vectors, lr=1e-2, fused=True)
     rec = Recorder(fm, stream(), optimizer=[first, second], warmup_samples=8, every=2)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1000)
+    scaler = grad_scaler(init_scale=2.0**4, growth_interval=1000)
     with rec.attach():
         for t in range(5):
             first.zero_grad()
@@ -366,14 +369,14 @@ def test_the_with_form_records_what_the_hooks_form_records_around_skipped_probed
         fm = model()
         opt = torch.optim.Adam(fm.parameters(), lr=1e-2, foreach=True)
         rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=1)
-        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=1)
+        scaler = grad_scaler(init_scale=2.0**4, growth_interval=1)
         hooks = rec.attach() if form == "hooks" else contextlib.nullcontext()
         noted = pytest.warns(RuntimeWarning, match="skipped") if form == "with" else _nothing()
         with hooks, noted:
             for t in range(7):
                 opt.zero_grad()
                 g = torch.Generator().manual_seed(t)
-                x = torch.randn(8, 6, generator=g, dtype=torch.float64)
+                x = torch.randn(8, 6, generator=g, dtype=torch.float64).to(DEVICE)
                 loss = fm(x).square().mean() * (torch.inf if t in (1, 3, 4) else 1.0)
                 scaler.scale(loss).backward()
                 with rec.step() if form == "with" else contextlib.nullcontext():

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _device import DEVICE, grad_scaler
 from _tiny import backward, model, stream
 from torch import nn
 
@@ -59,7 +60,9 @@ def test_tensor_that_moves_but_not_the_function_reads_zero() -> None:
     torch.manual_seed(0)
     a, b = nn.Linear(6, 2, bias=False), nn.Linear(2, 3, bias=False)
     nn.init.zeros_(b.weight)  # LoRA: B = 0, so A moves (weight decay) but f does not
-    fm = ff.with_fslr(nn.Sequential(a, b).double(), samples=4, seed=0, strategy="loop")
+    fm = ff.with_fslr(
+        nn.Sequential(a, b).to(DEVICE, torch.float64), samples=4, seed=0, strategy="loop"
+    )
     opt = torch.optim.SGD(fm.parameters(), lr=0.1, weight_decay=0.1)
     (fm(next(stream(1))) - 1).square().mean().backward()
     with fm.measure(opt, next(stream())) as m:
@@ -320,7 +323,8 @@ def _stall_warnings(
     out = []
     for t in steps:
         opt.zero_grad()
-        x = torch.randn(8, 6, generator=torch.Generator().manual_seed(100 + t), dtype=torch.float64)
+        g = torch.Generator().manual_seed(100 + t)
+        x = torch.randn(8, 6, generator=g, dtype=torch.float64).to(DEVICE)
         (fm(x).square().mean() * (1e200 if t == spike else 1.0)).backward()
         if t in frozen:
             opt.zero_grad(set_to_none=True)  # no gradient: the step changes nothing
@@ -369,7 +373,7 @@ def test_blocks_a_scaler_skips_are_no_steps_but_a_stall_of_them_warns() -> None:
     fm = model()
     opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
     rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=4, every=2)
-    scaler = torch.amp.GradScaler("cpu")
+    scaler = grad_scaler()
     warned = []
     for block in range(60):
         opt.zero_grad()
@@ -539,3 +543,30 @@ def test_a_diverged_run_warns_once_not_at_every_probe() -> None:
     said = diverged(flerm, fm, opt)
     assert sum("were left out" in m for m in said) == 1
     assert sum("no finite FSLR estimate" in m for m in said) == 1
+
+
+@pytest.mark.parametrize("passed", [False, True])
+def test_a_plateau_not_passed_to_flerm_is_warned_of_once(passed: bool) -> None:
+    """A ``ReduceLROnPlateau`` sets no ``initial_lr``: left out of ``scheduler=``, its cuts
+    were undone by FLeRM's rates (the base's schedule) without a word. A group rate that
+    moves without a scheduler passed now warns, once; passed, the cuts act and nothing warns."""
+    base = record(steps=4)
+    fm = model(width=20)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    plateau = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.1, patience=0)
+    flerm = ff.FLeRM(
+        fm, opt, base, probe_batches=stream(2), warmup_samples=4, mode="periodic", every=2,
+        scheduler=plateau if passed else None,
+    )  # fmt: skip
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for t in range(4):
+            opt.zero_grad()
+            backward(fm, t)
+            with flerm.step():
+                opt.step()
+            plateau.step(1.0)  # never improves: cut at every step
+    changed = [str(w.message) for w in seen if "no scheduler was passed" in str(w.message)]
+    assert len(changed) == (0 if passed else 1), changed
+    if not passed:
+        assert "param group 0's rate changed from 0.01 to 0.001" in changed[0]
