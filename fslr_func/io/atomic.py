@@ -34,8 +34,8 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import stat
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -45,11 +45,20 @@ __all__ = ["atomic_write_bytes", "atomic_write_text", "write_json"]
 _SEPARATORS = tuple(sep for sep in (os.sep, os.altsep) if sep)
 
 
-def _new_file_mode() -> int:
-    """Permissions of a newly created file under the process umask (``0o666 & ~umask``)."""
-    umask = os.umask(0)
-    os.umask(umask)
-    return 0o666 & ~umask
+def _create_temporary(folder: Path, prefix: str, mode: int) -> tuple[int, str]:
+    """Create ``<prefix><pid>.<random>.tmp`` in ``folder``, opened for writing, with
+    permissions ``mode & ~umask`` applied by the system (reading the umask would mean setting
+    it, which races with other threads creating files).
+
+    Returns:
+        The file descriptor and the path.
+    """
+    while True:
+        path = os.path.join(folder, f"{prefix}{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), path
+        except FileExistsError:
+            continue
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -203,16 +212,17 @@ def atomic_write_bytes(path: str | os.PathLike[str], data: bytes, *, parents: bo
         if parents:
             folder.mkdir(parents=True, exist_ok=True)
         existing = _target_mode(target)
-        mode = _new_file_mode() if existing is None else existing[0]
         prefix = _temp_prefix(target.name, _name_limit(folder))
         _remove_leftovers(folder, prefix)
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f"{prefix}{os.getpid()}.", suffix=".tmp")
+        # a new file: 0o666 under the umask, as open() gives; an existing one keeps its mode
+        fd, tmp = _create_temporary(folder, prefix, 0o666 if existing is None else 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(data)
                 f.flush()
                 os.fsync(f.fileno())
-            os.chmod(tmp, mode)
+            if existing is not None:
+                os.chmod(tmp, existing[0])
             owner = (os.geteuid(), os.getegid()) if hasattr(os, "geteuid") else None
             if existing is not None and owner is not None and existing[1:] != owner:
                 with contextlib.suppress(OSError):  # only a superuser may give a file away

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any, Literal
 
 from ..probe.names import short_list
+from ..stats.checks import is_integer
 
 __all__ = ["Fallback", "Lookups", "row_in_force"]
 
@@ -40,6 +41,20 @@ def row_in_force(steps: Sequence[int], step: int) -> int:
     return max(bisect.bisect_right(steps, step) - 1, 0)
 
 
+def _check_step(step: object) -> None:
+    """Refuse a step that is not an integer (a NaN read as the last row, ``None`` raised a
+    comparison error).
+
+    Examples:
+        >>> _check_step(float("nan"))
+        Traceback (most recent call last):
+        ...
+        TypeError: a step is an int (a training step's index), got nan
+    """
+    if not is_integer(step):
+        raise TypeError(f"a step is an int (a training step's index), got {step!r}")
+
+
 class Lookups:
     """The lookups by step of a record (a base of :class:`~fslr_func.io.record.FSLRRecord`,
     whose fields they read)."""
@@ -56,6 +71,7 @@ class Lookups:
 
     def _row(self, step: int) -> int:
         """Index of the latest recorded step ``<= step`` (0 before the first one)."""
+        _check_step(step)
         if not self.steps:
             raise ValueError("the record is empty: nothing was recorded yet")
         return row_in_force(self.steps, step)
@@ -90,6 +106,7 @@ class Lookups:
             set point 25 is past the end of the base record (2 rows, steps 0 to 10; it covers
             steps up to 10): its last values are reused
         """
+        _check_step(step)
         last = self.last_step
         if step <= last:
             return None

@@ -483,6 +483,19 @@ def check_not_scripted(model: nn.Module) -> None:
         )
 
 
+def check_module(model: object) -> None:
+    """Refuse a model that is not an ``nn.Module`` (``None``, a function, a state dict).
+
+    Examples:
+        >>> check_module(None)
+        Traceback (most recent call last):
+        ...
+        TypeError: the model must be a torch.nn.Module, got NoneType
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"the model must be a torch.nn.Module, got {type(model).__name__}")
+
+
 def check_not_meta(model: nn.Module, **updates: Mapping[str, Tensor] | None) -> None:
     """Refuse meta tensors (shapes without data) in the model or the updates.
 
@@ -533,6 +546,7 @@ def evaluation_point(
             meta tensors (:func:`check_not_meta`).
     """
     if not checked:
+        check_module(model)
         check_not_scripted(model)
         check_not_meta(model, delta=delta, params=params)
         check_single_process(model)

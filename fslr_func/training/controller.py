@@ -584,17 +584,27 @@ class StepController:
             ValueError: another version's state, or (``strict``) other options.
         """
         check_state(state, self.kind, (1, _STATE_VERSION), self._config, strict)
+        # every field is checked before anything changes: a refused state leaves this as it was
         t, used = _count(state, "t", self.kind), _count(state, "probes_used", self.kind)
         owed = _count(state, "owed", self.kind, default=0)
-        self._load_own_state(state)
-        self.t = t
-        self._owed = owed
         since = state.get("stalled_since")
-        self._stalled_since = None if since is None else int(since)
+        if since is not None:
+            since = _count(state, "stalled_since", self.kind)
         # (a state saved without it: the stall's length in counted steps)
-        self._stall_steps = int(state.get("stall_steps", 0 if since is None else self.t - since))
+        stall_steps = _count(
+            state, "stall_steps", self.kind, default=0 if since is None else t - since
+        )
+        noted = state.get("noted", state.get("warned", ()))
+        if isinstance(noted, str) or not all(isinstance(n, str) for n in noted):
+            raise ValueError(
+                f"this {self.kind} state's 'noted' is {noted!r}, not a list of strings: it is "
+                "damaged or edited; load the state as it was saved"
+            )
+        self._load_own_state(state)  # checks its own fields before it changes any
+        self.t, self._owed = t, owed
+        self._stalled_since, self._stall_steps = since, stall_steps
         self._stall_noted = bool(state.get("stall_noted", False))
-        self._noted = set(state.get("noted", state.get("warned", ())))
+        self._noted = set(noted)
         self._feed.skip(used)
 
     def _own_state(self) -> dict[str, Any]:

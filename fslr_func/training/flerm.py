@@ -330,7 +330,11 @@ class FLeRM(StepController):
         fm = self.fm  # the wrapper under a torch.compile or DDP layer given as fm
         ProbePlan.of(warmup_samples, fm.samples, every, start_step)  # `every`, in any mode
         if len(self.optimizers) != 1:
-            raise TypeError("FLeRM drives one optimiser: build one FLeRM per optimiser")
+            got = "none" if not self.optimizers else f"{len(self.optimizers)}"
+            raise TypeError(
+                f"FLeRM drives one optimiser (given: {got}): pass the scaled model's optimiser, "
+                "and build one FLeRM per optimiser"
+            )
         (self.optimizer,) = self.optimizers
         self.scaler = UpdateScaler(self.optimizer)
         # without a scheduler the groups' rates stay as they are: a change is warned of, once
@@ -683,13 +687,21 @@ class FLeRM(StepController):
         ratios = _saved_numbers(state["ratios"], "ratios", lambda v: 0 < v < math.inf)
         factors = state.get("feature_factors")
         # a factor may be 0 or inf (a huge feature_power): the tensor is then held, by design
-        self.feature_factors = (
+        feature_factors = (
             None if factors is None else _saved_numbers(factors, "factors", lambda v: v >= 0)
         )
-        self.ratios = ratios
-        self.history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
-        self.targets.late |= {str(n) for n in state.get("late", ())}
-        self._late_pending = {str(n) for n in state.get("late_pending", ())}
+        try:
+            history = [SetPoint(**{**p, "held": tuple(p["held"])}) for p in state["history"]]
+        except (KeyError, TypeError) as e:
+            raise ValueError(
+                f"this FLeRM state's history is damaged or edited ({type(e).__name__}: {e}); "
+                "load the state as it was saved"
+            ) from e
+        late = {str(n) for n in state.get("late", ())}
+        late_pending = {str(n) for n in state.get("late_pending", ())}
+        self.feature_factors, self.ratios, self.history = feature_factors, ratios, history
+        self.targets.late |= late
+        self._late_pending = late_pending
 
 
 @functools.cache

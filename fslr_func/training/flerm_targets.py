@@ -34,7 +34,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Literal
+from typing import Any, Literal
 
 from torch import Tensor
 
@@ -97,6 +97,12 @@ class BaseTargets:
         self.late: set[str] = set()
         self.lr0 = 0.0
         self.index()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy (``copy.deepcopy``, pickle) holds other parameter objects: ``name_of`` is
+        keyed by their ``id``."""
+        vars(self).update(state)
+        self.name_of = {id(p): n for n, p in self.params.items()}
 
     def index(self) -> None:
         """Read the model's parameters and their names (bare, and as the record has them)."""

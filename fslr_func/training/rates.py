@@ -85,6 +85,11 @@ class Scaling:
     open: bool = False
     waiting: list[Callable[[], None]] = field(default_factory=list)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """A copy (``copy.deepcopy``, pickle) keeps the step count only: its factors are keyed
+        by the original parameters' ``id`` and are published again at the copy's next step."""
+        return {"factors": {}, "applied": self.applied, "open": False, "waiting": []}
+
     def when_final(self, fn: Callable[[], None]) -> None:
         """Call ``fn`` once this step's factors are final: now, or when the step closes."""
         if self.open:

@@ -311,5 +311,8 @@ class Recorder(StepController):
         return {"record": self.record.to_dict()}
 
     def _load_own_state(self, state: Mapping[str, Any]) -> None:
-        self.record = FSLRRecord.from_dict(state["record"], source="the Recorder state")
-        self.record.meta.setdefault("sched_per_step", [])
+        if "record" not in state:
+            raise ValueError("this Recorder state lacks 'record': it is damaged or edited")
+        record = FSLRRecord.from_dict(state["record"], source="the Recorder state")
+        record.meta.setdefault("sched_per_step", [])
+        self.record = record

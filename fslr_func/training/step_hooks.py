@@ -184,14 +184,30 @@ class _OptimizerHooks:
     until :meth:`close` (or the end of a ``with`` block over this object)."""
 
     def __init__(self, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        self._hooked = list(optimizers)
+        self._register()
+
+    def _register(self) -> None:
         self._handles = [
             h
-            for opt in optimizers
+            for opt in self._hooked
             for h in (
                 opt.register_step_pre_hook(self._pre),
                 opt.register_step_post_hook(self._post),
             )
         ]
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch drops an optimiser's hooks when it is copied (``copy.deepcopy``, pickle);
+        the copy of hooks still attached registers them again on the copied optimisers."""
+        return {**vars(self), "_handles": bool(self._handles)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        attached = state.pop("_handles")
+        vars(self).update(state)
+        self._handles = []
+        if attached:
+            self._register()
 
     def _pre(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Before each ``optimizer.step()``."""

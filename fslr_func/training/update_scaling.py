@@ -46,6 +46,7 @@ Examples:
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -256,6 +257,12 @@ class UpdateScaler:
         self.optimizer = optimizer
         self.scaling = scaling_registry().setdefault(optimizer, Scaling())
         self._snapshots = Snapshots()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A copy's optimiser is another key of the registry: the copy registers its own
+        :class:`Scaling` there, so that measurements of the copy see its factors."""
+        vars(self).update(state)
+        scaling_registry()[self.optimizer] = self.scaling
 
     def held(self, scheduled: bool) -> set[int]:
         """``id`` of every parameter the optimiser holds (param groups added since included).

@@ -21,6 +21,7 @@ from torch import nn
 from ..parallel.data_parallel import is_data_parallel
 from ..parallel.fsdp import is_fully_sharded
 from ..parallel.process_group import ProcessGroup
+from ..probe.functional import check_module
 from ..stats.estimator import Estimator
 from .distributed import DistributedFSLRModule
 from .wrapper import FSLRModule
@@ -72,6 +73,7 @@ def with_fslr(
         ValueError: an invalid option (at once, before any probe), a model without
             trainable parameters, or ``distributed=False`` for an FSDP2 model.
     """
+    check_module(model)
     if distributed or is_data_parallel(model) or is_fully_sharded(model):
         return DistributedFSLRModule(
             model,

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ..probe import forward_cache
 from ..probe.functional import Inputs, check_not_meta, check_not_scripted, check_single_process
 from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
@@ -365,8 +366,11 @@ class FSLRModule(nn.Module):
         return read_estimates(self.log_sq(), self.ema, {}, {}, self.reported).fslr
 
     def reset(self) -> None:
-        """Forget the EMAs (e.g. after a change of model or task)."""
+        """Forget the EMAs and what the probes found about the model (its readout layer and
+        roles), e.g. after a change of model or task: the next probe looks again."""
         self.ema = EMA(self.ema.beta)
+        self.readout_roles = {}
+        forward_cache.forget(self.module)
 
     def config(self) -> dict[str, Any]:
         """The settings that give the saved EMAs their meaning; checked when a state loads."""

@@ -18,6 +18,8 @@ Examples:
 
 from __future__ import annotations
 
+import copy
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any, Protocol
 
@@ -55,6 +57,7 @@ class FSLRModule(Protocol):
     ema: EMA
     readout_roles: dict[str, ReadoutRole]
     generators: dict[str, torch.Generator]
+    seed: int
     probes: int
     reported: DropReports
     loading_prefix: str | None
@@ -71,8 +74,6 @@ class FSLRModule(Protocol):
     def beta(self) -> float: ...
 
     def config(self) -> dict[str, Any]: ...
-
-    def generator_for(self, device: torch.device) -> torch.Generator: ...
 
 
 def _renamed(state: Mapping[str, Any], rename: Callable[[str], str]) -> dict[str, Any]:
@@ -148,6 +149,30 @@ def extra_state(fm: FSLRModule) -> dict[str, Any]:
     }
 
 
+def _restored_generators(saved: Mapping[str, Any], seed: int) -> dict[str, torch.Generator]:
+    """The omega generators of a saved state, per device. The generator of a device this
+    machine lacks (a GPU run's state loaded on a CPU) is left out with a warning: probes
+    there draw a fresh sequence from ``seed``, as a new run's would."""
+    generators: dict[str, torch.Generator] = {}
+    for key, generator_state in saved.items():
+        if generator_state is None:
+            continue
+        try:
+            generator = torch.Generator(device=torch.device(key))
+        except RuntimeError as e:
+            warnings.warn(
+                f"this FSLRModule state holds the omega generator of {key}, which this "
+                f"machine cannot make ({e}): probes on {key} start a fresh omega sequence "
+                f"from the seed; the averages and the other generators are restored",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            continue
+        generators[key] = generator.manual_seed(seed)
+        generator.set_state(generator_state)
+    return generators
+
+
 def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
     """Restore :func:`extra_state` into ``fm`` after checking its configuration.
 
@@ -169,20 +194,28 @@ def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
             f"wrapper's settings and the saved averages"
         )
     prefix = fm.name_prefix if state["version"] == STATE_VERSION else ""
-    beta = fm.beta
-    fm.ema.load_state_dict(_renamed(state["ema"], lambda n: prefix + n))
-    fm.ema.beta = beta
-    fm.readout_roles = {prefix + n: r for n, r in state["readout_roles"].items()}
-    saved_generators = state.get("generators", {"cpu": state.get("generator")})
-    fm.generators = {}
-    for key, generator_state in saved_generators.items():
-        if generator_state is not None:
-            fm.generator_for(torch.device(key)).set_state(generator_state)
-    fm.probes = int(state.get("probes", 0))
+    # everything is read and checked before anything changes: a refused state leaves fm as it was
+    try:
+        ema = copy.copy(fm.ema)  # its load rebinds the copy's fields, never fm.ema's
+        ema.load_state_dict(_renamed(state["ema"], lambda n: prefix + n))
+        ema.beta = fm.beta
+        roles = {prefix + n: r for n, r in state["readout_roles"].items()}
+        saved_generators = state.get("generators", {"cpu": state.get("generator")})
+        generators = _restored_generators(saved_generators, fm.seed)
+        probes = int(state.get("probes", 0))
+        scales = {prefix + n: float(c) for n, c in state.get("readout_scales", {}).items()}
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise ValueError(
+            f"this FSLRModule state is damaged or edited ({type(e).__name__}: {e}); load the "
+            "state as it was saved"
+        ) from e
+    if probes < 0:
+        raise ValueError(f"this FSLRModule state's 'probes' is {probes}, not a count (>= 0)")
+    vars(fm.ema).update(vars(ema))
+    fm.readout_roles, fm.generators, fm.probes = roles, generators, probes
     fm.reported = DropReports({n: int(v) for n, v in fm.ema.dropped.items()})
     fm.resolved_strategy = state.get("resolved_strategy", fm.options.strategy)
     if "readout_scales" in state:  # the weights loaded are scaled where the saved ones were
-        scales = {prefix + n: float(c) for n, c in state["readout_scales"].items()}
         for name, module in fm.module.named_modules():
             if name in scales:
                 setattr(module, READOUT_SCALE_MARK, scales[name])

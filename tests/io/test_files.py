@@ -52,6 +52,23 @@ def test_save_keeps_the_permissions_and_refuses_a_read_only_file(tmp_path: Path)
     assert len(FSLRRecord.load(path)) == 5
 
 
+def test_a_new_file_gets_the_umask_without_the_umask_being_touched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mode of a new file was found by setting the umask to 0 and back: another thread
+    saving in between created a world-writable file and left the process at umask 0."""
+    previous = os.umask(0o027)
+    try:
+        monkeypatch.setattr(os, "umask", lambda mask: pytest.fail("the umask was set"))
+        _record(1).save(tmp_path / "new.json")
+        write_json(tmp_path / "new2.json", {})
+    finally:
+        monkeypatch.undo()
+        os.umask(previous)
+    for name in ("new.json", "new2.json"):
+        assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o640
+
+
 @pytest.mark.parametrize("length", [200, 245, 250, 255])
 @pytest.mark.parametrize("char", ["a", "é", "日"])  # 1, 2 and 3 bytes in UTF-8
 def test_any_name_the_filesystem_allows(tmp_path: Path, length: int, char: str) -> None:

@@ -623,3 +623,13 @@ def test_what_a_user_analysing_records_met() -> None:
     a, b = (FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta=shared) for _ in range(2))
     a.meta["cfg"]["width"] = 256
     assert b.meta["cfg"] == {"width": 64} and shared["cfg"] == {"width": 64}
+
+
+@pytest.mark.parametrize("step", [math.nan, None, 2.0, "3", True])
+def test_a_lookup_by_a_step_that_is_not_an_int_is_refused(step: Any) -> None:
+    """A NaN step read as the last row (``bisect`` compares False), ``None`` raised a raw
+    comparison error."""
+    rec = FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 2.0]}, sched=[1.0, 0.5])
+    for lookup in (rec.at, rec.sched_at, rec.lrs_at, rec.past_end):
+        with pytest.raises(TypeError, match="a step is an int"):
+            lookup(step)

@@ -498,3 +498,14 @@ def test_a_probe_batch_the_model_cannot_take_says_so_beside_the_models_own_error
         opt.step()
     notes = getattr(caught.value, "__notes__", [])
     assert any("probe batch of shapes (4, 7)" in n for n in notes), notes
+
+
+@pytest.mark.parametrize("call", ["with_fslr", "estimate", "exact"])
+def test_a_model_that_is_not_a_module_is_named(call: str) -> None:
+    """``None`` as the model raised ``AttributeError`` from deep inside; every other argument
+    of these functions gets a ``TypeError`` naming it."""
+    with pytest.raises(TypeError, match=r"the model must be a torch\.nn\.Module, got NoneType"):
+        if call == "with_fslr":
+            ff.with_fslr(None)  # type: ignore[arg-type]
+        else:
+            getattr(ff, call)(None, torch.ones(2, 1), {"w": torch.ones(1)})

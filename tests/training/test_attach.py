@@ -4,6 +4,8 @@ detaching (also after an exception), several optimisers, wrapped optimisers, LBF
 from __future__ import annotations
 
 import contextlib
+import copy
+import pickle
 from collections.abc import Callable
 from typing import Any
 
@@ -385,3 +387,39 @@ def test_the_with_form_records_what_the_hooks_form_records_around_skipped_probed
         rows.append(rec.record.to_rows())
     assert [r["step"] for r in rows[0]] == [0, 1, 2, 3]
     assert rows[0] == rows[1]
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_a_copied_attached_flerm_run_continues_as_the_original(how: str) -> None:
+    """A copy of ``(fm, opt, flerm)`` (``copy.deepcopy``, pickle) lost what is keyed by object
+    identity: torch drops the copied optimiser's hooks (the copy's steps skipped FLeRM while
+    it believed itself attached), the copied optimiser was not in the scaling registry (a
+    second wrapper measuring it divided by the group's rate: 1.33 for 4.84), and ``lrs()``
+    was empty until the next step. The copy now steps, rates and measures as the original."""
+    batches = [x for x, _ in zip(stream(3), range(30), strict=False)]
+    fm = model(width=20)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    flerm = ff.FLeRM(fm, opt, base_record(), probe_batches=batches, warmup_samples=8)
+    hooks = flerm.attach()
+    train(fm, [opt], 3)
+    copied = (
+        copy.deepcopy((fm, opt, flerm))
+        if how == "deepcopy"
+        else pickle.loads(pickle.dumps((fm, opt, flerm)))
+    )
+    fm2, opt2, flerm2 = copied
+    assert flerm2.lrs() == flerm.lrs() != {}
+    watchers = [ff.with_fslr(f.module, samples=4, seed=5) for f in (fm, fm2)]
+    for t in range(3, 6):
+        for f, o, w in ((fm, opt, watchers[0]), (fm2, opt2, watchers[1])):
+            o.zero_grad()
+            backward(f, t)
+            with w.measure(o, batches[t]):  # a second wrapper, through the registry's rates
+                o.step()
+    assert flerm.t == flerm2.t == 6
+    assert all(torch.equal(a, b) for a, b in zip(fm.parameters(), fm2.parameters(), strict=True))
+    assert watchers[0].fslr().keys() == watchers[1].fslr().keys()
+    assert all(torch.equal(v, watchers[1].fslr()[n]) for n, v in watchers[0].fslr().items())
+    hooks.detach()
+    assert flerm2._hooks is not None and flerm2._hooks.attached
+    flerm2._hooks.detach()

@@ -503,6 +503,77 @@ def test_an_edited_or_damaged_state_is_refused_naming_what() -> None:
     assert fresh.ratios == flerm.ratios and fresh.t == 1
 
 
+def test_a_refused_state_leaves_the_controller_and_the_wrapper_as_they_were() -> None:
+    """A damaged state was half loaded before its error: the Recorder had taken the saved
+    step count and rows, FLeRM the saved ratios (then a raw ``KeyError``), the wrapper the
+    saved averages (then a bad generator state raised)."""
+    fm, small = model(width=20), model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    small_opt = torch.optim.Adam(small.parameters(), lr=1e-2)
+    flerm = ff.FLeRM(fm, opt, record(), probe_batches=stream(1), warmup_samples=8)
+    rec = Recorder(small, stream(2), optimizer=small_opt, warmup_samples=4, every=1)
+    for t in range(2):
+        for net, o, controller in ((fm, opt, flerm), (small, small_opt, rec)):
+            o.zero_grad()
+            backward(net, t)
+            with controller.step():
+                o.step()
+    saved_flerm, saved_rec, saved_fm = flerm.state_dict(), rec.state_dict(), fm.state_dict()
+
+    fresh = model(width=20)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=1e-2)
+    other = ff.FLeRM(fresh, fresh_opt, record(), probe_batches=stream(1), warmup_samples=8)
+    before = other.lrs()
+    history = [{k: v for k, v in p.items() if k != "held"} for p in saved_flerm["history"]]
+    with pytest.raises(ValueError, match="history is damaged or edited"):
+        other.load_state_dict({**saved_flerm, "history": history})
+    assert other.lrs() == before and other.ratios == {} and other.t == 0
+
+    fresh_small = model()
+    small_opt = torch.optim.Adam(fresh_small.parameters(), lr=1e-2)
+    recorder = Recorder(fresh_small, stream(2), optimizer=small_opt, warmup_samples=4, every=1)
+    for edit, says in [
+        ({"stalled_since": "abc"}, "'stalled_since' is 'abc'"),
+        ({"stall_steps": None}, "'stall_steps' is None"),
+        ({"record": None}, "Recorder state"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            recorder.load_state_dict({**saved_rec, **edit})
+        assert recorder.t == 0 and recorder.record.steps == [] and recorder.probes_used == 0
+    without = dict(saved_rec)
+    del without["record"]
+    with pytest.raises(ValueError, match="lacks 'record'"):
+        recorder.load_state_dict(without)
+
+    extra = saved_fm._metadata[""]["fslr_state"]  # type: ignore[attr-defined]
+    extra["generators"] = {"cpu": torch.zeros(3, dtype=torch.uint8)}  # not a generator state
+    assert fresh.fslr() == {}
+    with pytest.raises(ValueError, match="FSLRModule state is damaged or edited"):
+        fresh.load_state_dict(saved_fm)
+    assert fresh.fslr() == {} and fresh.probes == 0
+
+
+def test_a_state_with_the_generator_of_a_device_this_machine_lacks_loads_with_a_warning() -> None:
+    """A GPU run's checkpoint on a CPU machine: the wrapper's state holds a ``cuda:0`` omega
+    generator, which cannot be made there, and the whole load raised (after replacing the
+    averages). The averages load; that generator is left out, said once. Simulated with a
+    device no test machine has (``xpu:0``)."""
+    fm = model()
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    backward(fm, 0)
+    with fm.measure(opt, next(stream())):
+        opt.step()
+    state = fm.state_dict()
+    extra = state._metadata[""]["fslr_state"]  # type: ignore[attr-defined]
+    extra["generators"] = {**extra["generators"], "xpu:0": torch.zeros(16, dtype=torch.uint8)}
+    restored = model(seed=1)
+    with pytest.warns(RuntimeWarning, match="omega generator of xpu:0"):
+        restored.load_state_dict(state)
+    assert restored.fslr().keys() == fm.fslr().keys()
+    assert all(torch.equal(restored.fslr()[n], v) for n, v in fm.fslr().items())
+    assert list(restored.generators) == [str(next(fm.parameters()).device)]
+
+
 def test_a_diverged_run_warns_once_not_at_every_probe() -> None:
     # weights gone NaN: every probe is left out; the Recorder warned at every row and a
     # periodic FLeRM twice per set point, for the rest of the run
