@@ -538,10 +538,29 @@ class FLeRM(StepController):
                 )
                 return
 
+    def _gone(self, step: int) -> tuple[str, ...]:
+        """The driven tensors the model no longer holds under their name (renamed since, as
+        ``torch.nn.utils.prune`` renames ``weight`` to ``weight_orig``, or removed): their
+        FSLR under that name is no longer measured, so they keep their ratio, said once."""
+        current = dict(self.fm.module.named_parameters())
+        known = self.targets.params
+        gone = tuple(n for n in self.names if n not in current or current[n] is not known.get(n))
+        if gone:
+            self._note(
+                f"gone {gone}",
+                f"FLeRM set point {step}: {list(gone)[:10]} are no longer the model's tensors "
+                "of those names (renamed, as torch.nn.utils.prune renames weight to "
+                "weight_orig, or removed), so their FSLR under the base record's names is not "
+                "measured any more: they keep their current rates",
+            )
+        return gone
+
     def _set_point(self, step: int, fslr: Mapping[str, float]) -> SetPoint:
-        targets = self.targets.at(step, self.names, self._note_each)
-        measured = {n: float(fslr[n]) if n in fslr else 0.0 for n in self.names}
-        limits = {n: self._rate_limit(n) for n in self.names}
+        gone = self._gone(step)
+        names = [n for n in self.names if n not in gone]
+        targets = self.targets.at(step, names, self._note_each)
+        measured = {n: float(fslr[n]) if n in fslr else 0.0 for n in names}
+        limits = {n: self._rate_limit(n) for n in names}
         # the feature factors scale the targets before matching, so that a rate they push past
         # the dtype's limit (a huge feature_power) is held like any other, not applied
         factors = self.feature_factors or {}
@@ -567,7 +586,7 @@ class FLeRM(StepController):
             lrs=self._lrs_at(step),
             fslr=measured,
             targets=targets,
-            held=matched.zero + matched.nonfinite + matched.unmatched,
+            held=matched.zero + matched.nonfinite + matched.unmatched + gone,
         )
 
     def _answering_gains(

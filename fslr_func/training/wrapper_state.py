@@ -114,6 +114,12 @@ def load_bare(
     inner = prefix + fm.wrapper_prefix
     for key in [k for k in state if k.startswith(prefix) and k != prefix + _EXTRA]:
         state[inner + key[len(prefix) :]] = state.pop(key)
+    metadata = getattr(state, "_metadata", None)  # the whole load's, where this is its root
+    if metadata is not None:  # the modules' entries (a nested wrapper's state) where torch
+        # looks them up, under the wrapper prefix; added, not moved: the dict is the user's
+        for key in [k for k in metadata if k.startswith(prefix) and k != prefix[:-1]]:
+            if not key.startswith(inner):
+                metadata.setdefault(inner + key[len(prefix) :], metadata[key])
     fm.loading_prefix = prefix
 
 

@@ -217,6 +217,33 @@ def test_the_wrapper_state_round_trips_through_torch_save_and_a_parent_module() 
     assert twin["fm"].fslr() == fm.fslr()
 
 
+def test_a_wrapper_inside_a_wrapped_model_round_trips_its_state() -> None:
+    """A backbone watched by its own wrapper inside the wrapped model: the inner wrapper's
+    state was saved (in the metadata, under its bare path) but not restored, since torch
+    looks a module's metadata up under its full path, behind the outer ``module.``."""
+
+    def build(seed: int) -> ff.FSLRModule:
+        torch.manual_seed(seed)
+        inner = ff.with_fslr(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)), seed=0)
+        return ff.with_fslr(nn.Sequential(inner, nn.Tanh(), nn.Linear(3, 3)), samples=2, seed=1)
+
+    outer = build(0)
+    opt = torch.optim.SGD(outer.parameters(), lr=0.1)
+    outer(torch.randn(16, 4)).square().mean().backward()
+    with outer.measure(opt, torch.randn(8, 4)), outer.module[0].measure(opt, torch.randn(8, 4)):
+        opt.step()
+    buffer = io.BytesIO()
+    torch.save(outer.state_dict(), buffer)
+    buffer.seek(0)
+    state = torch.load(buffer, weights_only=True)
+    for _ in range(2):  # the dict is the user's: a second load of it works too
+        loaded = build(5)
+        loaded.load_state_dict(state)
+        assert loaded.fslr() == outer.fslr() != {}
+        assert loaded.module[0].fslr() == outer.module[0].fslr() != {}
+        assert loaded.module[0].probes == outer.module[0].probes == 1
+
+
 def test_a_state_of_another_configuration_needs_strict_false() -> None:
     fm = trained(Inner())
     other = ff.with_fslr(Inner(), samples=3)

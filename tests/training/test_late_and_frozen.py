@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -185,3 +186,47 @@ def test_a_run_with_a_late_tensor_resumes_exactly_when_rebuilt_as_it_was_built()
     assert resumed.lrs() == ctl.lrs()
     for (n, p), (_, q) in zip(fm.named_parameters(), fm3.named_parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+def test_a_tensor_renamed_mid_run_keeps_its_rate_and_says_so() -> None:
+    """``torch.nn.utils.prune`` renames ``0.weight`` to ``0.weight_orig`` (the same parameter,
+    still in the optimiser). FLeRM went on reading the wrapper's average under the old name,
+    which nothing updates any more, and set the rate from that frozen FSLR at every later set
+    point, silently. It now keeps the tensor's rate and says why, once."""
+    import torch.nn.utils.prune as prune
+
+    def batches(seed: int) -> list[torch.Tensor]:
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(8, 4, generator=g) for _ in range(30)]
+
+    def train(fm: ff.FSLRModule, opt: torch.optim.Optimizer, ctl: Any, steps: range) -> None:
+        for t in steps:
+            opt.zero_grad()
+            fm(batches(t)[0]).square().mean().backward()
+            with ctl.step():
+                opt.step()
+
+    def net(width: int) -> nn.Module:
+        torch.manual_seed(width)
+        return nn.Sequential(nn.Linear(4, width), nn.Tanh(), nn.Linear(width, 3))
+
+    small = ff.with_fslr(net(8), samples=2, seed=0)
+    opt = torch.optim.Adam(small.parameters(), lr=1e-2)
+    rec = ff.Recorder(small, batches(99), optimizer=opt, warmup_samples=2, every=2)
+    train(small, opt, rec, range(8))
+    fm = ff.with_fslr(net(32), samples=2, seed=0)
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    flerm = ff.FLeRM(
+        fm, opt, rec.record, probe_batches=batches(98), mode="periodic", every=2, warmup_samples=2
+    )
+    train(fm, opt, flerm, range(2))
+    rate = flerm.lrs()["0.weight"]
+    prune.l1_unstructured(fm.module[0], "weight", amount=0.75)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        train(fm, opt, flerm, range(2, 7))
+    said = [str(w.message) for w in seen if "no longer the model's tensors" in str(w.message)]
+    assert len(said) == 1 and "'0.weight'" in said[0]
+    assert [p.step for p in flerm.history] == [0, 2, 4, 6]
+    assert all("0.weight" in p.held for p in flerm.history[1:])
+    assert flerm.lrs()["0.weight"] == pytest.approx(rate)
