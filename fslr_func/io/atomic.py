@@ -53,10 +53,14 @@ def _create_temporary(folder: Path, prefix: str, mode: int) -> tuple[int, str]:
     Returns:
         The file descriptor and the path.
     """
+    # binary on Windows (os.open's default there is text: every \n would become \r\n), and
+    # never through a link planted at the name, as tempfile.mkstemp opens its files
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+    flags |= getattr(os, "O_BINARY", 0) | getattr(os, "O_NOFOLLOW", 0)
     while True:
         path = os.path.join(folder, f"{prefix}{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
-            return os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode), path
+            return os.open(path, flags, mode), path
         except FileExistsError:
             continue
 

@@ -257,7 +257,8 @@ class GradientReduction(Protocol):
         ...
 
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
-        """Per-sample gradients ``(chunk, *shape)`` summed over the processes."""
+        """Per-sample gradients ``(chunk, *shape)`` summed over the processes, each in memory
+        no other returned gradient shares (the statistics overwrite them in place)."""
         ...
 
     def abort(
@@ -473,7 +474,8 @@ def _sample(
             )
         else:
             grads = reduction.reduce(setup.map_samples(gradients, draw(count)))
-            rows.append(vmap(functools.partial(statistics, overwrite=True))(grads))
+            stats = functools.partial(statistics, overwrite=True, disjoint=True)  # fresh pieces
+            rows.append(vmap(stats)(grads))
     log_stats = {n: torch.cat([r[n] for r in rows]) for n in delta}
     return ProbeResult(log_stats, setup.readout, setup.readout_module, where.total, setup.strategy)
 

@@ -170,7 +170,7 @@ class ProductStatistics:
         self._floors: dict[tuple[torch.dtype, ...], Tensor] = {}
 
     def __call__(
-        self, grads: Mapping[str, Tensor], *, overwrite: bool = False
+        self, grads: Mapping[str, Tensor], *, overwrite: bool = False, disjoint: bool = False
     ) -> dict[str, Tensor]:
         """Per tensor name, the float64 log statistics of ``Z = grads[name] * dW``.
 
@@ -184,6 +184,9 @@ class ProductStatistics:
                 shares (autograd hands ``a + b``'s one gradient to both operands, and a view
                 of it to a parameter used through ``.view``: LSTM's two biases) is never
                 overwritten: the later name reads it as it was.
+            disjoint: the caller knows that no two gradients share memory (the pieces of one
+                fresh buffer, as a data-parallel reduction returns, whose interleaved rows
+                the memory check cannot tell apart): with ``overwrite``, all are written.
 
         Returns:
             tensor name -> ``[log q_0, log q_{d=0}, ..., log q_{d=D-1}, log q_full]`` for
@@ -191,7 +194,7 @@ class ProductStatistics:
             ``+inf`` where ``Z`` is not finite).
         """
         given = [grads[name].detach() for name in self.updates]
-        writable = _unshared_after(given) if overwrite else [False] * len(given)
+        writable = [overwrite] * len(given) if disjoint or not overwrite else _unshared_after(given)
         xs = [
             g.to(torch.promote_types(_stat_dtype(g.dtype), u.tensor.dtype))
             for g, u in zip(given, self.updates.values(), strict=True)
@@ -235,31 +238,59 @@ class ProductStatistics:
         return stacked.div_(mantissa.add_(mantissa))
 
 
-def _storage(t: Tensor) -> int | None:
-    """The address of the memory under ``t``, through torch.func's wrappers (a vmapped
-    gradient is a wrapper whose own storage cannot be read); None where it cannot be read."""
+def _span(t: Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, stop)`` of memory that ``t``'s elements lie in, through
+    torch.func's wrappers (a vmapped gradient is a wrapper whose own storage cannot be read);
+    None where they cannot be read."""
     try:
         while functorch.is_batchedtensor(t) or functorch.is_gradtrackingtensor(t):
             t = functorch.get_unwrapped(t)
-        return int(t.untyped_storage().data_ptr())
+        if t.numel() == 0:
+            return None
+        size = t.element_size()
+        start = t.untyped_storage().data_ptr() + int(t.storage_offset()) * size
+        last = sum((int(n) - 1) * abs(int(s)) for n, s in zip(t.shape, t.stride(), strict=True))
+        return start, start + (last + 1) * size
     except (AttributeError, NotImplementedError, RuntimeError):
         return None
 
 
 def _unshared_after(tensors: Sequence[Tensor]) -> list[bool]:
-    """Per tensor, whether no later tensor of ``tensors`` lies in the same memory (so that
+    """Per tensor, whether no later tensor of ``tensors`` lies in memory it spans (so that
     overwriting it leaves what the later ones read intact); all False where any tensor's
-    memory cannot be read.
+    memory cannot be read. Tensors in one buffer but apart (the pieces of a data-parallel
+    probe's all-reduced gradients, a ``torch.cat``'s gradient) stay writable.
 
     Examples:
         >>> g = torch.ones(6)
         >>> _unshared_after([g, torch.ones(2), g.view(2, 3)])
         [False, True, True]
+        >>> _unshared_after(list(torch.ones(6).split(3)))  # one buffer, apart
+        [True, True]
     """
-    storages = [_storage(t) for t in tensors]
-    if None in storages:
-        return [False] * len(storages)
-    return [s not in storages[i + 1 :] for i, s in enumerate(storages)]
+    found = [_span(t) for t in tensors]
+    spans = [s for s in found if s is not None]
+    if len(spans) < len(found):
+        return [False] * len(found)
+    writable = [True] * len(spans)
+    cluster: list[int] = []  # a run of spans that overlap, in the order of their starts
+    end = -1
+    for i in sorted(range(len(spans)), key=lambda i: spans[i]):
+        start, stop = spans[i]
+        if not (cluster and start < end):
+            _keep_last(cluster, writable)
+            cluster, end = [], -1
+        cluster.append(i)
+        end = max(end, stop)
+    _keep_last(cluster, writable)
+    return writable
+
+
+def _keep_last(cluster: list[int], writable: list[bool]) -> None:
+    """Of tensors whose memory overlaps, only the last (in the order they are read) may be
+    overwritten: every other one is read before it."""
+    for i in sorted(cluster)[:-1]:
+        writable[i] = False
 
 
 def _scaled(x: Tensor, scale: Tensor, in_place: bool) -> Tensor:

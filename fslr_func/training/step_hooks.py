@@ -205,6 +205,8 @@ class _OptimizerHooks:
     def __setstate__(self, state: dict[str, Any]) -> None:
         attached = state.pop("_handles")
         vars(self).update(state)
+        # a copy pickled before the hooked optimisers were kept here: StepHooks' own list
+        self._hooked = state.get("_hooked", state.get("_optimizers", []))
         self._handles = []
         if attached:
             self._register()

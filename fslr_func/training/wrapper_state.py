@@ -96,7 +96,9 @@ def save_bare(fm: FSLRModule, state: dict[str, Any], prefix: str, local: dict[st
     local[_METADATA_KEY] = state.pop(prefix + _EXTRA)
     for key in [k for k in metadata if k.startswith(prefix + WRAPPER_PREFIXES[1][:-1])]:
         if key.startswith(inner):
-            metadata[prefix + key[len(inner) :]] = metadata.pop(key)
+            entry = metadata[prefix + key[len(inner) :]] = metadata.pop(key)
+            if _METADATA_KEY in entry:  # a wrapper inside: kept where a load of a module
+                metadata[key] = entry  # above this one looks it up too (its full path)
         elif inner.startswith(key + "."):  # a wrapper's entry; the bare model's has its version
             entry = metadata.pop(key)
             if key == inner[:-1]:

@@ -69,6 +69,23 @@ def test_a_new_file_gets_the_umask_without_the_umask_being_touched(
         assert stat.S_IMODE(os.stat(tmp_path / name).st_mode) == 0o640
 
 
+def test_the_temporary_file_is_opened_binary_and_not_through_a_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``os.open`` opens in text mode on Windows unless told ``O_BINARY`` (every ``\\n`` of a
+    checkpoint would become ``\\r\\n``); ``tempfile.mkstemp``, used before, added it and
+    ``O_NOFOLLOW``. Windows' flag value is set here, where the system lacks it."""
+    flags: list[int] = []
+    real_open = os.open
+    monkeypatch.setattr(os, "O_BINARY", 0x8000, raising=False)
+    monkeypatch.setattr(
+        os, "open", lambda path, f, *a: flags.append(f) or real_open(path, f & ~0x8000, *a)
+    )
+    _record(1).save(tmp_path / "base.json")
+    created = [f for f in flags if f & os.O_CREAT]
+    assert created and all(f & 0x8000 and f & os.O_NOFOLLOW for f in created)
+
+
 @pytest.mark.parametrize("length", [200, 245, 250, 255])
 @pytest.mark.parametrize("char", ["a", "é", "日"])  # 1, 2 and 3 bytes in UTF-8
 def test_any_name_the_filesystem_allows(tmp_path: Path, length: int, char: str) -> None:

@@ -434,3 +434,38 @@ def test_compiled_ddp_is_probed_across_ranks() -> None:
                 fn(compiled, x, prefixed)
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_the_data_parallel_probe_overwrites_its_reduced_gradients_in_place(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The all-reduced gradients are pieces of one fresh buffer, which the check for shared
+    gradients (``a + b``'s, LSTM biases') took for shared: every tensor but one of each dtype
+    then allocated a temporary of its per-sample gradients at every distributed probe. The
+    same tensors are overwritten as in the one-process probe, with the same statistics."""
+    import fslr_func.stats.statistics as statistics
+
+    written: list[bool] = []
+    scaled = statistics._scaled
+    monkeypatch.setattr(
+        statistics,
+        "_scaled",
+        lambda x, s, in_place: written.append(in_place) or scaled(x, s, in_place),
+    )
+    _one_process_group(free_port())
+    try:
+        counts, estimates = [], []
+        for wrap in (False, True):
+            torch.manual_seed(0)
+            net = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+            model = DistributedDataParallel(net) if wrap else net
+            fm = ff.with_fslr(model, samples=4, seed=1, strategy="vmap")
+            delta = {n: torch.randn_like(p) * 1e-3 for n, p in net.named_parameters()}
+            written.clear()
+            estimates.append(fm.observe(torch.randn(8, 6), delta))
+            counts.append((sum(written), len(written)))
+        assert counts[0] == counts[1] == (4, 4)
+        assert all(torch.allclose(v, estimates[1][n], rtol=1e-6) for n, v in estimates[0].items())
+    finally:
+        dist.destroy_process_group()

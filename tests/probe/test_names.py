@@ -242,6 +242,10 @@ def test_a_wrapper_inside_a_wrapped_model_round_trips_its_state() -> None:
         assert loaded.fslr() == outer.fslr() != {}
         assert loaded.module[0].fslr() == outer.module[0].fslr() != {}
         assert loaded.module[0].probes == outer.module[0].probes == 1
+    # the wrapped model inside a parent module, which is what is loaded (a LightningModule)
+    parent, twin = nn.ModuleDict({"fm": outer}), nn.ModuleDict({"fm": build(5)})
+    twin.load_state_dict(parent.state_dict())
+    assert twin["fm"].module[0].fslr() == outer.module[0].fslr() != {}
 
 
 def test_a_state_of_another_configuration_needs_strict_false() -> None:

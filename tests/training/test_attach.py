@@ -423,3 +423,31 @@ def test_a_copied_attached_flerm_run_continues_as_the_original(how: str) -> None
     hooks.detach()
     assert flerm2._hooks is not None and flerm2._hooks.attached
     flerm2._hooks.detach()
+
+
+def test_a_pickle_of_an_attached_run_from_before_the_copy_hooks_loads_attached() -> None:
+    """Hooks pickled before they kept their optimisers in ``_hooked`` (their state: the
+    instance dict, handles included) raised ``AttributeError`` on load; they load, and the
+    copy's steps run through it."""
+    from fslr_func.training.step_hooks import _OptimizerHooks
+
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    batches = [x for x, _ in zip(stream(3), range(20), strict=False)]
+    rec = Recorder(fm, batches, optimizer=opt, warmup_samples=8, every=1)
+    hooks = rec.attach()
+    train(fm, [opt], 2)
+    hooked = vars(hooks).pop("_hooked")
+    methods = {k: vars(_OptimizerHooks)[k] for k in ("__getstate__", "__setstate__")}
+    try:  # the state the previous version pickled
+        for k in methods:
+            delattr(_OptimizerHooks, k)
+        data = pickle.dumps((fm, opt, rec))
+    finally:
+        for k, v in methods.items():
+            setattr(_OptimizerHooks, k, v)
+        hooks._hooked = hooked
+    hooks.detach()
+    fm2, opt2, rec2 = pickle.loads(data)
+    train(fm2, [opt2], 1)
+    assert rec2.t == 3
