@@ -64,8 +64,12 @@ __all__ = ["build_parser", "main", "parse_lrs"]  # parse_lrs: its home is cli_ar
 _FLAG = {field: flag for field, (flag, _) in SWEEP_OPTIONS.items()}
 
 
-def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: str) -> None:
-    for field, (flag, kwargs) in SWEEP_OPTIONS.items():
+def _add_config_options(
+    p: argparse.ArgumentParser, defaults: SweepConfig, fields: Sequence[str] = tuple(SWEEP_OPTIONS)
+) -> None:
+    """The options of a sweep's configuration, each with its range and its default."""
+    for field in fields:
+        flag, kwargs = SWEEP_OPTIONS[field]
         default = getattr(defaults, field)
         shown = (
             ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in default)
@@ -77,6 +81,10 @@ def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: s
         notes += [] if default is None else [f"default: {shown}"]
         help_text = f"{kwargs['help']} ({'; '.join(notes)})" if notes else kwargs["help"]
         p.add_argument(flag, dest=field, default=None, **{**kwargs, "help": help_text})
+
+
+def _add_sweep_options(p: argparse.ArgumentParser, defaults: SweepConfig, out: str) -> None:
+    _add_config_options(p, defaults)
     p.add_argument("--out", type=Path, default=None, help=f"output folder (default: {out})")
     p.add_argument(
         "--jobs",
@@ -133,11 +141,11 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "rate, with the plain optimiser and with FLeRM (base = the smallest scale), and show "
         "how each tensor's function-space movement per step (lr x FSLR) moves with scale; "
         "tensors drifting by more than --threshold are flagged. Writes check.json and "
-        "check.png.",
+        "check.png. The defaults shown are the ResMLP's; with --model the data, width, depth "
+        "and batch size default to that model's, as in fslr sweep.",
     )
-    for field in ("model", "axis", "scales", "data", "width", "depth", "batch_size"):
-        flag, kwargs = SWEEP_OPTIONS[field]
-        check.add_argument(flag, dest=field, default=None, **kwargs)
+    fields = ("model", "axis", "scales", "data", "width", "depth", "batch_size")
+    _add_config_options(check, SweepConfig(), fields)
     check.add_argument("--optimizer", choices=OPTIMIZERS, default="adam", help="(default: adam)")
     check.add_argument(
         "--lr",
@@ -149,7 +157,10 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--steps", type=integer_type("steps"), default=10, help="steps per run, >= 2 (default: 10)"
     )
     check.add_argument(
-        "--seed", type=integer_type("seed"), default=0, help="seed of every run (default: 0)"
+        "--seed",
+        type=integer_type("seed"),
+        default=0,
+        help=f"seed of every run (in {value_range(*INT_RANGES['seed'])}; default: 0)",
     )
     check.add_argument(
         "--modes",
@@ -162,13 +173,14 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         "--every",
         type=integer_type("every"),
         default=1,
-        help="probe every EVERY steps (default: 1)",
+        help="probe every EVERY steps (in [1, --steps - 1]; default: 1)",
     )
     check.add_argument(
         "--threshold",
         type=real_type("threshold"),
         default=2.0,
-        help="flag tensors whose movement changes by more than this factor (default: 2)",
+        help="flag tensors whose movement changes by more than this factor (in "
+        f"({value_range(*FLOAT_RANGES['threshold'])[1:]}; default: 2)",
     )
     check.add_argument(
         "--task",

@@ -352,7 +352,7 @@ SWEEP_OPTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "--strategy",
         {
             "choices": ("vmap", "loop", "autograd", "auto"),
-            "help": "probe strategy (pinned for reproducible sweeps; auto decides by timing)",
+            "help": "probe strategy (auto: chosen from the model, device and shapes)",
         },
     ),
     "optimizer": (

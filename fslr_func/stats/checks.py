@@ -159,7 +159,7 @@ def torch_seed(seed: object, name: str) -> int:
         ValueError: forward_seed must be in [-2**63, 2**64) (a torch seed), got 18446744073709551616
     """
     if not is_integer(seed):
-        raise TypeError(f"{name} must be None or an int, got {seed!r}")
+        raise TypeError(f"{name} must be None or an int, got {seed!r}{_tensor_hint(seed)}")
     value = int(cast(numbers.Integral, seed))
     if not -(2**63) <= value < 2**64:
         raise ValueError(f"{name} must be in [-2**63, 2**64) (a torch seed), got {value}")
