@@ -224,6 +224,44 @@ def backward_hooks_off(model: nn.Module) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def shared_submodules_kept(model: nn.Module) -> Iterator[None]:
+    """Put back the parameters and buffers of submodules registered under several names (a
+    module assigned to two attributes; PEFT's trainable tokens on tied embeddings) after
+    ``functional_call``, whose restore writes such a module's attribute once per name, the
+    second time with the substituted tensor (the model was left holding plain tensors, no
+    longer the optimiser's parameters).
+
+    Examples:
+        >>> lin = nn.Linear(2, 2)
+        >>> net = nn.Sequential(lin, lin)
+        >>> weight = lin.weight
+        >>> with shared_submodules_kept(net):
+        ...     out = functional_call(net, {"0.weight": torch.zeros(2, 2)}, (torch.ones(1, 2),))
+        >>> lin.weight is weight
+        True
+    """
+    counts: dict[int, int] = {}
+    for _, m in model.named_modules(remove_duplicate=False):
+        counts[id(m)] = counts.get(id(m), 0) + 1
+    shared = [m for m in model.modules() if counts[id(m)] > 1]
+    kept = [(m, dict(m._parameters), dict(m._buffers), set(vars(m))) for m in shared]
+    try:
+        yield
+    finally:
+        for m, parameters, buffers, attributes in kept:
+            slots: tuple[tuple[dict[str, Any], dict[str, Any]], ...] = (
+                (m._parameters, parameters),
+                (m._buffers, buffers),
+            )
+            for slot, saved in slots:
+                for name, t in saved.items():
+                    if slot.get(name) is not t:
+                        if name not in attributes:  # a plain attribute left in its place
+                            vars(m).pop(name, None)
+                        slot[name] = t
+
+
+@contextlib.contextmanager
 def eager_submodules() -> Iterator[None]:
     """Run compiled submodules unoptimised: ``torch.compile``-d ones eagerly
     (``torch.compiler.set_stance("force_eager")``), TorchScript ones in the plain interpreter
@@ -589,6 +627,7 @@ def model_forward(
         eager_submodules(),
         unscaled_embedding_gradients(module),
         backward_hooks_off(module),
+        shared_submodules_kept(module),
     ):
         try:
             return functional_call(module, dict(tensors), args, kwargs, strict=False)
@@ -632,6 +671,7 @@ def substituted(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[Non
         eager_submodules(),
         unscaled_embedding_gradients(module),
         backward_hooks_off(module),
+        shared_submodules_kept(module),
         _reparametrize_module(module, state, tie_weights=True, strict=False),
     ):
         yield

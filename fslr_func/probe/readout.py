@@ -161,19 +161,18 @@ def readout_roles(
     trainable: Mapping[str, Tensor],
     num_outputs: int,
     *,
-    independent: bool = True,
     named: bool = False,
 ) -> dict[str, ReadoutRole]:
     """Map the readout module's own weight/bias names to ``"weight"``/``"bias"``.
 
     Only parameters of the right shape (weight ``(K, d)``, bias ``(K,)`` with ``K`` the size
-    of the output's last dim) that are not tied elsewhere get a role, and none where the
-    output's units are not ``independent`` (:func:`rows_independent`). A module the user
+    of the output's last dim) that are not tied elsewhere are candidates; the probe keeps
+    them only where the output's units pass :func:`rows_independent`. A module the user
     ``named`` whose weight is not ``(K, d)`` is warned of; one found by ``readout="auto"``
     (a head stored as ``(in, out)``, an ``nn.Embedding`` at the end) is not: its tensors
     get the tensor-normal estimator, as for any layer.
     """
-    if module_name is None or not independent:
+    if module_name is None:
         return {}
     module = readout_module(model, module_name)
     prefix = f"{module_name}." if module_name else ""
@@ -194,6 +193,9 @@ def readout_roles(
                 RuntimeWarning,
                 stacklevel=2,
             )
+    if isinstance(bias, Tensor) and b_name not in trainable:  # named first elsewhere: BERT's
+        # MLM head registers its decoder's bias as cls.predictions.bias too
+        b_name = next((n for n, p in model.named_parameters() if p is bias), b_name)
     if isinstance(bias, Tensor) and b_name in trainable and bias.shape == (num_outputs,):
         roles[b_name] = "bias"
     return roles
@@ -202,14 +204,16 @@ def readout_roles(
 def rows_independent(
     output_of: Callable[[Mapping[str, Tensor]], Tensor],
     params: Mapping[str, Tensor],
-    module_name: str,
+    roles: Mapping[str, ReadoutRole],
 ) -> bool:
-    """Whether each unit of the model output depends on its own row of the readout's weight
-    and bias alone, as the readout estimators assume: the output is computed twice more, with
-    the even rows of both moved and with the odd rows moved, and each time the units of the
-    other half must come out bit for bit the same. (Moving row 0 alone proved nothing where
-    the forward never reads it otherwise: a tied embedding reading ``head.weight`` with no
-    token 0 in the batch, a square head stored as ``(in, out)`` whose input unit 0 is dead.)
+    """Whether each unit of the model output depends on its own row of the readout tensors
+    that would get ``roles`` alone, as the readout estimators assume: the output is computed
+    twice more, with the even rows of those tensors moved and with the odd rows moved, and
+    each time the units of the other half must come out bit for bit the same. (Moving row 0
+    alone proved nothing where the forward never reads it otherwise: a tied embedding reading
+    ``head.weight`` with no token 0 in the batch, a square head stored as ``(in, out)`` whose
+    input unit 0 is dead.) The rows move by at least 1 and by a sixteenth of the tensor's
+    largest entry, which no 16-bit float rounds away.
 
     It fails where anything mixes the units: a head that normalises them in its own forward
     (``log_softmax`` inside the module), an in-place change of the head's output after it
@@ -224,19 +228,19 @@ def rows_independent(
         output_of: the model output (after ``output_fn``) with the given parameters replaced,
             each call on fresh copies of the buffers and with the same torch random draws.
         params: the parameters the probe measured at (name -> tensor).
-        module_name: the readout module's name.
+        roles: the readout tensors' roles (:func:`readout_roles`), by name.
 
     Examples:
         >>> head = torch.nn.Linear(4, 5)
         >>> x = torch.randn(3, 4)
         >>> def out(moved):
         ...     return torch.func.functional_call(head, dict(moved), (x,))
-        >>> rows_independent(out, dict(head.named_parameters()), "")
+        >>> params, roles = dict(head.named_parameters()), {"weight": "weight", "bias": "bias"}
+        >>> rows_independent(out, params, roles)
         True
-        >>> rows_independent(lambda m: out(m).log_softmax(-1), dict(head.named_parameters()), "")
+        >>> rows_independent(lambda m: out(m).log_softmax(-1), params, roles)
         False
     """
-    prefix = f"{module_name}." if module_name else ""
     try:
         with torch.no_grad():
             before = output_of({})
@@ -248,12 +252,12 @@ def rows_independent(
                 (slice(1, None, 2), slice(0, None, 2)),
             ):
                 moved: dict[str, Tensor] = {}
-                for name in (prefix + "weight", prefix + "bias"):
-                    tensor = params.get(name)
-                    if tensor is not None and tensor.dim() >= 1 and tensor.shape[0] == units:
+                for name in roles:
+                    tensor = params[name].detach()
+                    if tensor.dim() >= 1 and tensor.shape[0] == units:
                         step = torch.zeros_like(tensor)
-                        step[half] = 1.0
-                        moved[name] = tensor.detach() + step
+                        step[half] = (tensor.abs().amax() / 16).clamp(min=1.0)  # no host read
+                        moved[name] = tensor + step
                 after = output_of(moved)
                 if after.shape != before.shape or not torch.equal(
                     after[..., other], before[..., other]

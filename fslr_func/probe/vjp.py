@@ -410,16 +410,15 @@ def prepare_vjp(
         module_name = found[0] if found else (readout if readout != "auto" else None)
         last_dim = out_shape[-1][-1] if len(out_shape[-1]) else 1
         point = {**fixed, **primals}
-        independent = module_name is None or rows_independent(
+        roles = readout_roles(model, module_name, primals, last_dim, named=readout != "auto")
+        if roles and not rows_independent(
             lambda moved: _output_at(
                 model, inputs, options, {**point, **tensors.constants(), **moved}
             ),  # fresh buffers for every forward: one may update them in place
             point,
-            module_name,
-        )
-        roles = readout_roles(
-            model, module_name, primals, last_dim, independent=independent, named=readout != "auto"
-        )
+            roles,
+        ):
+            roles = {}
         views = {
             n: tuple(d.shape) if n in roles else grouped_shape(n, d.shape, options.grouping)
             for n, d in delta.items()
