@@ -71,7 +71,7 @@ from ..probe import sampling
 from ..probe.functional import Inputs
 from ..probe.names import unwrapped
 from ..probe.sampling import OmegaSlice, ProbeResult
-from ..stats.estimator import Estimator, check_estimator
+from ..stats.estimator import Estimator, ReadoutRole, check_estimator
 from .fsdp import gathered
 from .process_group import ProcessGroup, collective_device, failure_reasons, rank_and_size
 
@@ -191,10 +191,16 @@ def _gather_layout(
     chunk_size: int | None,
     group: ProcessGroup,
     reason: str | None = None,
-) -> list[int]:
-    """All ranks' output sizes; checks that all ranks probe the same tensors (names, shapes,
-    dtypes), with the same samples and chunk size: any of them differing would pair other
-    gradients in the all-reduces, or issue a different number of them.
+    readout: Mapping[str, ReadoutRole] | None = None,
+) -> tuple[list[int], dict[str, ReadoutRole]]:
+    """All ranks' output sizes, and the readout roles every rank gives; checks that all ranks
+    probe the same tensors (names, shapes, dtypes), with the same samples and chunk size: any
+    of them differing would pair other gradients in the all-reduces, or issue a different
+    number of them.
+
+    The readout check (:func:`fslr_func.probe.readout.rows_independent`) runs on each rank's
+    shard, and one shard may show the units mixed where another does not; the roles kept are
+    those of every rank, so that every rank reduces the same statistics.
 
     Every rank sees the same gathered table, so on a mismatch, or a rank that could not probe
     (``num_outputs == _FAILED``, its error in ``reason``), every rank raises the same error
@@ -202,8 +208,13 @@ def _gather_layout(
     """
     _, world = rank_and_size(group)
     num_params = sum(d.numel() for d in delta.values())
+    names = sorted(delta)  # a role as the position of its tensor, + 1 (0: none)
+    roles = [
+        next((i + 1 for i, n in enumerate(names) if (readout or {}).get(n) == r), 0)
+        for r in ("weight", "bias")
+    ]
     local = torch.tensor(
-        [num_outputs, num_params, samples, chunk_size or 0, delta_fingerprint(delta)],
+        [num_outputs, num_params, samples, chunk_size or 0, delta_fingerprint(delta), *roles],
         dtype=torch.int64,
         device=collective_device(group),
     )
@@ -217,8 +228,8 @@ def _gather_layout(
             f"the probe failed on rank(s) {failed} ({why}): every rank leaves this probe; fix "
             "the failing rank's shard of the probe batch"
         )
-    if len({tuple(r[1:]) for r in rows}) != 1:
-        other = next(k for k, r in enumerate(rows) if r[1:] != rows[0][1:])
+    if len({tuple(r[1:5]) for r in rows}) != 1:
+        other = next(k for k, r in enumerate(rows) if r[1:5] != rows[0][1:5])
         raise ValueError(
             "ranks disagree on the probe: (probed parameter elements, samples, chunk_size) per "
             f"rank = {[(r[1], r[2], r[3] or None) for r in rows]}"
@@ -230,7 +241,12 @@ def _gather_layout(
             )
             + "; every rank must pass the same delta, samples and chunk_size"
         )
-    return [r[0] for r in rows]
+    agreed = {
+        names[rows[0][5 + k] - 1]: role
+        for k, role in enumerate(("weight", "bias"))
+        if rows[0][5 + k] and all(r[5 + k] == rows[0][5 + k] for r in rows)
+    }
+    return [r[0] for r in rows], cast(dict[str, ReadoutRole], agreed)
 
 
 def all_reduce_gradients(
@@ -295,13 +311,17 @@ class DataParallelReduction:
         samples: int,
         generator: torch.Generator | None,
         chunk_size: int | None = None,
+        readout: Mapping[str, ReadoutRole] | None = None,
     ) -> OmegaSlice:
-        """Gather every rank's output size (checking that ranks agree) and place this rank."""
+        """Gather every rank's output size and readout roles (checking that ranks agree) and
+        place this rank."""
         rank, _ = rank_and_size(self.group)
-        sizes = _gather_layout(num_outputs, delta, samples, chunk_size, self.group)
+        sizes, agreed = _gather_layout(
+            num_outputs, delta, samples, chunk_size, self.group, readout=readout
+        )
         offset, total = omega_span(sizes, rank)
         if self.omega_draw == "global":
-            return OmegaSlice(generator, total, offset, total)
+            return OmegaSlice(generator, total, offset, total, agreed)
         # One draw from the shared generator (same on every rank), then a generator per rank.
         seed = int(torch.randint(0, 2**62, (), generator=generator).item())
         own = torch.Generator(device=generator.device if generator is not None else "cpu")
@@ -310,7 +330,7 @@ class DataParallelReduction:
         # the probe sizes its chunks of samples by the entries drawn, so every rank runs the
         # same number of all-reduces of the same shapes (uneven shards chunked differently
         # aborted the process group).
-        return OmegaSlice(own, max(sizes), 0, total)
+        return OmegaSlice(own, max(sizes), 0, total, agreed)
 
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
         """One all-reduce (sum) per dtype of the chunk's per-sample gradients."""

@@ -42,6 +42,7 @@ from ..stats.estimator import (
     ReadoutRole,
     check_estimator,
     fslr_from_log,
+    grouped_shape,
     log_sq_norm,
     mean_log_stats,
 )
@@ -231,6 +232,8 @@ class OmegaSlice:
     draw: int
     offset: int
     total: int
+    readout: Mapping[str, ReadoutRole] | None = None
+    """The readout roles every process gives (``None``: this process's own)."""
 
 
 class GradientReduction(Protocol):
@@ -251,9 +254,11 @@ class GradientReduction(Protocol):
         samples: int,
         generator: torch.Generator | None,
         chunk_size: int | None = None,
+        readout: Mapping[str, ReadoutRole] | None = None,
     ) -> OmegaSlice:
         """This process's slice of the global omega, given its ``num_outputs`` elements
-        (``chunk_size``: the option's, which every process must share)."""
+        (``chunk_size``: the option's, which every process must share) and its ``readout``
+        roles, which the slice returns as every process gives them."""
         ...
 
     def reduce(self, grads: dict[str, Tensor]) -> dict[str, Tensor]:
@@ -431,8 +436,16 @@ def _sample(
     where = (
         OmegaSlice(generator, local, 0, local)
         if reduction is None
-        else reduction.omega_slice(local, delta, options.samples, generator, options.chunk_size)
+        else reduction.omega_slice(
+            local, delta, options.samples, generator, options.chunk_size, readout=setup.readout
+        )
     )
+    if where.readout is not None and dict(where.readout) != setup.readout:
+        # the readout check passed on this process's shard, not on every one: the roles and
+        # views of every process, so that all reduce the same statistics
+        dropped = setup.readout.keys() - where.readout.keys()
+        setup.readout = dict(where.readout)
+        setup.views.update({n: grouped_shape(n, delta[n].shape, options.grouping) for n in dropped})
     # The cotangent is omega / sqrt(M); the vjp is linear and every statistic is quadratic in
     # Z, so omega goes in unscaled and log M comes off the log statistics (no scaled copy).
     log_shift = -math.log(where.total)

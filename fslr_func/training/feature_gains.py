@@ -69,6 +69,21 @@ def require_readout(fm: FSLRModule, what: str) -> None:
         )
 
 
+def require_one_process(fm: FSLRModule, what: str, instead: str) -> None:
+    """Refuse, when ``what`` is built, a wrapper whose probe runs across processes: feature
+    gains are measured in one process, on this rank's shard, so the ranks would hold
+    different gains (and a record saved on rank 0 its shard's).
+
+    Raises:
+        ValueError: ``fm`` probes across processes (``fm.reduction`` is set).
+    """
+    if getattr(fm, "reduction", None) is not None:
+        raise ValueError(
+            f"{what} measures feature gains in one process, on this rank's shard of the probe "
+            f"batch, and does not run across processes yet (ranks would differ): {instead}"
+        )
+
+
 def hidden_fan_in(
     shapes: Mapping[str, Sequence[int]],
     base_shapes: Mapping[str, Sequence[int]],

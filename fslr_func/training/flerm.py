@@ -82,7 +82,7 @@ from ..probe.names import short_list
 from ..stats.checks import integer, real
 from . import policies
 from .controller import LogFn, StepController
-from .feature_gains import hidden_fan_in, require_readout, step_gains
+from .feature_gains import hidden_fan_in, require_one_process, require_readout, step_gains
 from .flerm_rule import Match, match, rate
 from .flerm_targets import BaseTargets, Note, PastEnd, Unknown
 from .probe_schedule import ProbePlan
@@ -779,11 +779,7 @@ def _base_gains(fm: FSLRModule, base: FSLRRecord, matched: Matched) -> dict[str,
     if matched == "output":
         return {}
     require_readout(fm, "match='features'")
-    if fm.reduction is not None:
-        raise ValueError(
-            "match='features' measures feature gains in one process; it does not run across "
-            "processes yet: use match='output'"
-        )
+    require_one_process(fm, f"match={matched!r}", "use match='output'")
     gains = base.meta.get("feature_gain")
     if not isinstance(gains, Mapping) or not gains:
         raise ValueError(

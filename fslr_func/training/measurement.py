@@ -27,6 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..probe.functional import Inputs, is_dtensor, stored_entries
@@ -246,10 +247,13 @@ def _rounded_away(param: Tensor, changed: Tensor) -> Tensor:
     """Whether ``param`` has a finite, non-zero gradient but the step left it unchanged: a
     0-d bool on the device (its update rounded to nothing in the parameter's dtype)."""
     assert param.grad is not None
-    entries = stored_entries(param.grad.detach())  # a sparse embedding's: its stored rows
+    grad = param.grad.detach()
+    sharded = is_dtensor(grad)  # an FSDP2 shard, which may be empty on this rank
+    entries = grad.to_local() if sharded else stored_entries(grad)  # type: ignore[attr-defined]
     largest = entries.abs().amax() if entries.numel() else entries.new_zeros(())
-    if is_dtensor(largest):
-        largest = largest.full_tensor()  # type: ignore[attr-defined]
+    if sharded:
+        for group in grad.device_mesh.get_all_groups():  # type: ignore[attr-defined]
+            dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=group)
     return ~changed & (largest > 0) & largest.isfinite()
 
 

@@ -47,7 +47,7 @@ from ..io.record_meta import is_learning_rate
 from ..probe.functional import Inputs
 from ..probe.names import unwrapped
 from .controller import LogFn, StepController, trainable_shapes
-from .feature_gains import require_readout, step_gains
+from .feature_gains import require_one_process, require_readout, step_gains
 from .rates import group_lr, initial_lr, rates_in_force, when_final
 from .wrapper import FSLRModule, Measurement
 
@@ -187,6 +187,11 @@ class Recorder(StepController):
         self.feature_gains = bool(feature_gains)
         if self.feature_gains:
             require_readout(fm, "Recorder(..., feature_gains=True)")
+            require_one_process(
+                fm,
+                "Recorder(..., feature_gains=True)",
+                "record the base run's gains in one process, or leave feature_gains off",
+            )
         self._prefix = fm.name_prefix  # records hold the bare model's names (fslr_func.names)
         shapes = trainable_shapes(fm)
         self.record = FSLRRecord(

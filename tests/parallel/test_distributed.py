@@ -327,7 +327,50 @@ def _check_probe_feed_running_out_on_one_rank(rank: int) -> None:
     _assert_same_message(message)
 
 
+class _MixedOnSomeSamples(nn.Module):
+    """Per sample and batch-first; the logits of samples with ``x[:, 0] > 1.5`` are centred
+    (their units mixed): here only rank 0's shard holds such a sample."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        o = self.head(torch.tanh(self.body(x)))
+        flag = x[:, 0] > 1.5
+        o[flag] = o[flag] - o[flag].mean(-1, keepdim=True)
+        return o
+
+
+def _check_readout_roles_agreed(rank: int) -> None:
+    """The readout check ran on each rank's shard: the rank holding a mixed sample fell back
+    to ``kron`` for the head, the other kept the readout estimators, and the ranks' FSLRs of
+    the head differed (so would FLeRM's rates for the replicas). The roles every rank gives
+    are kept now; and a Recorder that would measure feature gains per rank is refused."""
+    torch.manual_seed(0)
+    model = _MixedOnSomeSamples().double()
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(8, 4, generator=g, dtype=torch.float64)
+    x[:, 0] = x[:, 0].clamp(max=1.0)
+    x[0, 0] = 3.0  # in rank 0's shard
+    delta = {
+        n: torch.randn(p.shape, generator=g, dtype=torch.float64)
+        for n, p in model.named_parameters()
+    }
+    got = fd.estimate(
+        model, x.split([4, 4])[rank], delta, samples=4, generator=torch.Generator().manual_seed(3)
+    )
+    _assert_same_on_all_ranks(got)
+    want = ff.estimate(model, x, delta, samples=4, generator=torch.Generator().manual_seed(3))
+    _assert_close(got, want)
+    fm = ff.with_fslr(DistributedDataParallel(_mlp()), samples=2, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="does not run across processes"):
+        ff.Recorder(fm, [torch.randn(4, 5)], optimizer=opt, feature_gains=True)
+
+
 def _checks(rank: int) -> None:
+    _check_readout_roles_agreed(rank)
     _check_probe_feed_running_out_on_one_rank(rank)
     _check_estimates(rank)
     _check_every_draw_and_shard_layout(rank)

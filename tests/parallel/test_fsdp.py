@@ -246,7 +246,25 @@ def _check_recorder_and_flerm(rank: int) -> None:
         assert rel < RTOL, what
 
 
+def _check_bfloat16_with_an_empty_shard(rank: int) -> None:
+    """A bfloat16 head of one row leaves rank 1 an empty shard: the rounded-away check took
+    ``amax`` of it and raised there, while rank 0 waited in the next collective."""
+    torch.manual_seed(0)
+    model = _fully_shard(
+        nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 1)).to(torch.bfloat16)
+    )
+    fm = ff.with_fslr(model, samples=2, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    x = next(_stream(1, rank)).to(torch.bfloat16)
+    fm(x).float().square().mean().backward()
+    with fm.measure(opt, x) as m:
+        opt.step()
+    assert sorted(m.fslr) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    _assert_same_on_all_ranks({n: v.float() for n, v in m.fslr.items()})
+
+
 def _checks(rank: int) -> None:
+    _check_bfloat16_with_an_empty_shard(rank)
     _check_with_fslr(rank)
     _check_functional(rank)
     _check_recorder_and_flerm(rank)
