@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import math
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -283,6 +284,22 @@ class GradientReduction(Protocol):
         ...
 
 
+@functools.cache
+def _takes_readout(kind: type[GradientReduction]) -> bool:
+    """Whether a reduction's ``omega_slice`` takes ``readout`` (one written before it was
+    added to :class:`GradientReduction` is called as before, and its processes are trusted
+    to give the same readout roles).
+
+    Examples:
+        >>> class Old:
+        ...     def omega_slice(self, num_outputs, delta, samples, generator, chunk_size=None): ...
+        >>> _takes_readout(Old)
+        False
+    """
+    parameters = inspect.signature(kind.omega_slice).parameters
+    return "readout" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+
+
 def _dense(g: Tensor) -> Tensor:
     """Sparse gradients (``Embedding(sparse=True)``) as dense tensors."""
     return g if g.layout == torch.strided else g.to_dense()
@@ -437,7 +454,12 @@ def _sample(
         OmegaSlice(generator, local, 0, local)
         if reduction is None
         else reduction.omega_slice(
-            local, delta, options.samples, generator, options.chunk_size, readout=setup.readout
+            local,
+            delta,
+            options.samples,
+            generator,
+            options.chunk_size,
+            **({"readout": setup.readout} if _takes_readout(type(reduction)) else {}),
         )
     )
     if where.readout is not None and dict(where.readout) != setup.readout:

@@ -395,9 +395,7 @@ def test_a_failed_collective_is_raised_not_retried_with_autograd() -> None:
     class Failing:
         calls = 0
 
-        def omega_slice(
-            self, num_outputs, delta, samples, generator, chunk_size=None, readout=None
-        ):  # type: ignore[no-untyped-def]
+        def omega_slice(self, num_outputs, delta, samples, generator, chunk_size=None):  # type: ignore[no-untyped-def]
             return OmegaSlice(generator, num_outputs, 0, num_outputs)
 
         def reduce(self, grads):  # type: ignore[no-untyped-def]
