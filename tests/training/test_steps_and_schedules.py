@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -574,25 +575,40 @@ def test_a_state_with_the_generator_of_a_device_this_machine_lacks_loads_with_a_
     assert list(restored.generators) == [str(next(fm.parameters()).device)]
 
 
+def _runtime_warnings(
+    controller: Recorder | ff.FLeRM,
+    fm: ff.FSLRModule,
+    opt: Any,
+    steps: range,
+    after: Callable[[int], None] = lambda t: None,
+) -> list[str]:
+    """Train ``steps`` through ``controller`` (``after(t)`` after each step); the messages of
+    each ``RuntimeWarning`` given."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for t in steps:
+            opt.zero_grad()
+            backward(fm, t)
+            with controller.step():
+                opt.step()
+            after(t)
+    return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
 def test_a_diverged_run_warns_once_not_at_every_probe() -> None:
     # weights gone NaN: every probe is left out; the Recorder warned at every row and a
     # periodic FLeRM twice per set point, for the rest of the run
     def diverged(
         controller: Recorder | ff.FLeRM, fm: ff.FSLRModule, opt: Any, read_every_step: bool = False
     ) -> list[str]:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for t in range(12):
-                opt.zero_grad()
-                backward(fm, t)
-                with controller.step():
-                    opt.step()
-                if read_every_step:
-                    fm.fslr()
-                if t == 3:
-                    with torch.no_grad():
-                        fm.module[0].weight.fill_(math.nan)
-        return [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        def after(t: int) -> None:
+            if read_every_step:
+                fm.fslr()
+            if t == 3:
+                with torch.no_grad():
+                    fm.module[0].weight.fill_(math.nan)
+
+        return _runtime_warnings(controller, fm, opt, range(12), after)
 
     fm = model()
     opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
@@ -629,15 +645,9 @@ def test_a_plateau_not_passed_to_flerm_is_warned_of_once(passed: bool) -> None:
         fm, opt, base, probe_batches=stream(2), warmup_samples=4, mode="periodic", every=2,
         scheduler=plateau if passed else None,
     )  # fmt: skip
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        for t in range(4):
-            opt.zero_grad()
-            backward(fm, t)
-            with flerm.step():
-                opt.step()
-            plateau.step(1.0)  # never improves: cut at every step
-    changed = [str(w.message) for w in seen if "no scheduler was passed" in str(w.message)]
+    cut = lambda t: plateau.step(1.0)  # noqa: E731 (never improves: cut at every step)
+    seen = _runtime_warnings(flerm, fm, opt, range(4), cut)
+    changed = [m for m in seen if "no scheduler was passed" in m]
     assert len(changed) == (0 if passed else 1), changed
     if not passed:
         assert "param group 0's rate changed from 0.01 to 0.001" in changed[0]
