@@ -188,13 +188,14 @@ class _OptimizerHooks:
         self._register()
 
     def _register(self) -> None:
+        # run eagerly under a compiled step (torch.compile(opt.step) traces into its hooks,
+        # and the probe's forward cannot be compiled there): a graph break, not an error
+        pre = torch.compiler.disable(self._pre)  # type: ignore[no-untyped-call]
+        post = torch.compiler.disable(self._post)  # type: ignore[no-untyped-call]
         self._handles = [
             h
             for opt in self._hooked
-            for h in (
-                opt.register_step_pre_hook(self._pre),
-                opt.register_step_post_hook(self._post),
-            )
+            for h in (opt.register_step_pre_hook(pre), opt.register_step_post_hook(post))
         ]
 
     def __getstate__(self) -> dict[str, Any]:

@@ -187,6 +187,24 @@ class FSLRModule(nn.Module):
         self.register_load_state_dict_pre_hook(load_bare)  # type: ignore[no-untyped-call]
         self.register_load_state_dict_post_hook(load_bare_keys)  # type: ignore[no-untyped-call]
 
+    def __getattr__(self, name: str) -> Any:
+        """``nn.Module``'s lookup, then the bare model's own submodules, parameters and
+        buffers: the state dict's keys are the bare model's
+        (:mod:`fslr_func.training.wrapper_state`), and tools that resolve those keys on the
+        module they were given (``torch.distributed.checkpoint.state_dict.get_state_dict``)
+        find them on the wrapper too."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inner = vars(self).get("_modules", {}).get("module")
+            if inner is not None:
+                bare, _ = unwrapped(inner)
+                for slot in ("_modules", "_parameters", "_buffers"):
+                    found = vars(bare).get(slot, {})
+                    if name in found:
+                        return found[name]
+            raise
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """The wrapped model's forward, unchanged."""
         return self.module(*args, **kwargs)

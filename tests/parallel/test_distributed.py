@@ -512,3 +512,57 @@ def test_the_data_parallel_probe_overwrites_its_reduced_gradients_in_place(
         assert all(torch.allclose(v, estimates[1][n], rtol=1e-6) for n, v in estimates[0].items())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not available")
+def test_a_dcp_checkpoint_with_the_wrapper_state_beside_it_resumes_exactly(tmp_path: Any) -> None:
+    """``get_state_dict(fm, opt)`` of ``torch.distributed.checkpoint`` resolved the bare keys
+    on the wrapper and raised "'FSLRModule' object has no attribute '0'". It works now, and
+    the documented recipe (DCP for the tensors, ``fm.get_extra_state()`` beside it, which DCP
+    does not write) resumes the run exactly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+    )
+
+    def build() -> tuple[FSLRModule, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        fm = ff.with_fslr(_mlp(), samples=2, seed=0)
+        return fm, torch.optim.SGD(fm.parameters(), lr=0.1)
+
+    def run(fm: FSLRModule, opt: torch.optim.Optimizer, g: torch.Generator) -> None:
+        for _ in range(2):
+            x = torch.randn(8, 5, generator=g, dtype=torch.float64)
+            opt.zero_grad()
+            fm(x).square().mean().backward()
+            with fm.measure(opt, x):
+                opt.step()
+
+    _one_process_group(free_port())
+    try:
+        g = torch.Generator().manual_seed(1)
+        fm, opt = build()
+        run(fm, opt, g)
+        model_state, _ = get_state_dict(fm, opt)
+        assert sorted(model_state) == sorted(n for n, _ in _mlp().named_parameters())
+        dcp.save(get_model_state_dict(fm), checkpoint_id=str(tmp_path))
+        torch.save({"fm": fm.get_extra_state(), "opt": opt.state_dict()}, tmp_path / "fslr_0.pt")
+        at = g.get_state()
+        run(fm, opt, g)
+        fm2, opt2 = build()
+        state = get_model_state_dict(fm2)
+        dcp.load(state, checkpoint_id=str(tmp_path))
+        set_model_state_dict(fm2, state)
+        saved = torch.load(tmp_path / "fslr_0.pt", weights_only=False)
+        fm2.set_extra_state(saved["fm"])
+        opt2.load_state_dict(saved["opt"])
+        g.set_state(at)
+        run(fm2, opt2, g)
+        assert all(
+            torch.equal(a, b) for a, b in zip(fm.parameters(), fm2.parameters(), strict=True)
+        )
+        assert all(torch.equal(v, fm2.fslr()[n]) for n, v in fm.fslr().items())
+    finally:
+        dist.destroy_process_group()

@@ -437,6 +437,11 @@ def test_a_pickle_of_an_attached_run_from_before_the_copy_hooks_loads_attached()
     rec = Recorder(fm, batches, optimizer=opt, warmup_samples=8, every=1)
     hooks = rec.attach()
     train(fm, [opt], 2)
+    hooks.close()  # the previous version's hooks: the bound methods themselves
+    hooks._handles = [
+        opt.register_step_pre_hook(hooks._pre),
+        opt.register_step_post_hook(hooks._post),
+    ]
     hooked = vars(hooks).pop("_hooked")
     methods = {k: vars(_OptimizerHooks)[k] for k in ("__getstate__", "__setstate__")}
     try:  # the state the previous version pickled
@@ -451,3 +456,25 @@ def test_a_pickle_of_an_attached_run_from_before_the_copy_hooks_loads_attached()
     fm2, opt2, rec2 = pickle.loads(data)
     train(fm2, [opt2], 1)
     assert rec2.t == 3
+
+
+def test_an_attached_flerm_runs_under_a_compiled_optimiser_step() -> None:
+    """``torch.compile(opt.step)`` traces into the optimiser's step hooks: FLeRM's probe ran
+    inside the compiled region and failed ("attempted to set_stance in a torch.compile
+    region"). The hooks run eagerly now, and the run is the uncompiled one's."""
+    results = []
+    for compiled in (False, True):
+        fm = model(width=20)
+        opt = torch.optim.SGD(fm.parameters(), lr=1e-2, momentum=0.9)
+        flerm = ff.FLeRM(fm, opt, base_record(), probe_batches=stream(3), warmup_samples=8)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        with flerm.attach():
+            for t in range(3):
+                opt.zero_grad()
+                backward(fm, t)
+                step()
+        results.append((flerm.t, flerm.lrs(), [p.detach().clone() for p in fm.parameters()]))
+    (t0, lrs0, w0), (t1, lrs1, w1) = results
+    assert t0 == t1 == 3 and lrs0.keys() == lrs1.keys()
+    assert all(lrs1[n] == pytest.approx(v, rel=1e-6) for n, v in lrs0.items())
+    assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(w0, w1, strict=True))
