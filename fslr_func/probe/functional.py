@@ -240,11 +240,13 @@ def shared_submodules_kept(model: nn.Module) -> Iterator[None]:
         >>> lin.weight is weight
         True
     """
-    counts: dict[int, int] = {}
+    seen: set[int] = set()
+    shared: dict[int, nn.Module] = {}  # one walk of the module tree, at every probe forward
     for _, m in model.named_modules(remove_duplicate=False):
-        counts[id(m)] = counts.get(id(m), 0) + 1
-    shared = [m for m in model.modules() if counts[id(m)] > 1]
-    kept = [(m, dict(m._parameters), dict(m._buffers), set(vars(m))) for m in shared]
+        if id(m) in seen:
+            shared[id(m)] = m
+        seen.add(id(m))
+    kept = [(m, dict(m._parameters), dict(m._buffers), set(vars(m))) for m in shared.values()]
     try:
         yield
     finally:

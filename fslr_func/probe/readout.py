@@ -247,17 +247,21 @@ def rows_independent(
             if before.dim() == 0 or before.shape[-1] == 1:
                 return True
             units = before.shape[-1]
+            steps = {  # per row, computed on the device (no host read)
+                name: (params[name].detach().abs().amax() / 16).clamp(min=1.0)
+                for name in roles
+                if params[name].dim() >= 1 and params[name].shape[0] == units
+            }
             for half, other in (
                 (slice(0, None, 2), slice(1, None, 2)),
                 (slice(1, None, 2), slice(0, None, 2)),
             ):
                 moved: dict[str, Tensor] = {}
-                for name in roles:
+                for name, amount in steps.items():
                     tensor = params[name].detach()
-                    if tensor.dim() >= 1 and tensor.shape[0] == units:
-                        step = torch.zeros_like(tensor)
-                        step[half] = (tensor.abs().amax() / 16).clamp(min=1.0)  # no host read
-                        moved[name] = tensor + step
+                    step = torch.zeros_like(tensor)
+                    step[half] = amount
+                    moved[name] = tensor + step
                 after = output_of(moved)
                 if after.shape != before.shape or not torch.equal(
                     after[..., other], before[..., other]

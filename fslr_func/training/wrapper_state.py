@@ -57,7 +57,6 @@ class FSLRModule(Protocol):
     ema: EMA
     readout_roles: dict[str, ReadoutRole]
     generators: dict[str, torch.Generator]
-    seed: int
     probes: int
     reported: DropReports
     loading_prefix: str | None
@@ -157,10 +156,10 @@ def extra_state(fm: FSLRModule) -> dict[str, Any]:
     }
 
 
-def _restored_generators(saved: Mapping[str, Any], seed: int) -> dict[str, torch.Generator]:
+def _restored_generators(saved: Mapping[str, Any]) -> dict[str, torch.Generator]:
     """The omega generators of a saved state, per device. The generator of a device this
     machine lacks (a GPU run's state loaded on a CPU) is left out with a warning: probes
-    there draw a fresh sequence from ``seed``, as a new run's would."""
+    there draw a fresh sequence from the wrapper's seed, as a new run's would."""
     generators: dict[str, torch.Generator] = {}
     for key, generator_state in saved.items():
         if generator_state is None:
@@ -176,8 +175,8 @@ def _restored_generators(saved: Mapping[str, Any], seed: int) -> dict[str, torch
                 stacklevel=4,
             )
             continue
-        generators[key] = generator.manual_seed(seed)
         generator.set_state(generator_state)
+        generators[key] = generator
     return generators
 
 
@@ -209,7 +208,7 @@ def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
         ema.beta = fm.beta
         roles = {prefix + n: r for n, r in state["readout_roles"].items()}
         saved_generators = state.get("generators", {"cpu": state.get("generator")})
-        generators = _restored_generators(saved_generators, fm.seed)
+        generators = _restored_generators(saved_generators)
         probes = int(state.get("probes", 0))
         scales = {prefix + n: float(c) for n, c in state.get("readout_scales", {}).items()}
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
