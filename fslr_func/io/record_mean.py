@@ -7,7 +7,8 @@ mean of the seeds that know it (each estimates the same quantity); unknown in al
 unknown. ``meta`` is the first record's, with ``seed`` the list of all seeds; its
 per-step schedule (``sched_per_step``, what FLeRM follows between rows) is the step-by-step
 mean over the seeds whose runs reached each step (left out if a seed has none), and its
-``feature_gain`` the geometric mean over the seeds that recorded gains. A record that is a
+``feature_gain`` the geometric mean over the seeds that recorded gains, and
+``sched_groups_differ_at`` the earliest of the seeds'. A record that is a
 mean itself counts as its seeds (``len(meta["seed"])``), so that a mean of means is the mean
 of all the seeds, exactly where every seed knew every value and ran as long; where some of
 its seeds did not (an FSLR unknown in one, a shorter run), the mean of means weighs the
@@ -135,6 +136,9 @@ def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
     ]
     if gained:  # Recorder(feature_gains=True)
         meta["feature_gain"] = _geometric_means([g for g, _ in gained], [w for _, w in gained])
+    differ = [t for r in records if (t := r.meta.get("sched_groups_differ_at")) is not None]
+    if differ:  # FLeRM needs the run's scheduler from the first step any seed's groups split
+        meta["sched_groups_differ_at"] = min(differ)
     per_step = [r.meta.get("sched_per_step") for r in records]
     if all(isinstance(p, list) for p in per_step):
         meta["sched_per_step"] = _ragged_means(cast(list[list[float]], per_step), weights)

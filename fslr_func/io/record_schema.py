@@ -317,6 +317,10 @@ META_SCHEMA: dict[str, tuple[Callable[[object], bool], str]] = {
     "library_version": (_str, "a version string"),
     "schedule": (_optional(_str), "a scheduler's class name, or null"),
     "sched_per_step": (_ratios, "a list of finite ratios >= 0, one per training step"),
+    "sched_groups_differ_at": (
+        _optional(_int_at_least(0)),
+        "the first step at which the param groups' schedules differed (an int >= 0), or null",
+    ),
     "every": (_optional(_int_at_least(1)), "an int >= 1, or null"),
     "warmup_samples": (_optional(_int_at_least(1)), "an int >= 1, or null"),
     "start_step": (_optional(_int_at_least(0)), "an int >= 0, or null"),

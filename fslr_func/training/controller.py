@@ -62,7 +62,13 @@ from ..probe.names import short_list, unwrapped
 from ..stats.checks import is_integer
 from .probe_schedule import ProbeFeed, ProbePlan
 from .rates import rates_in_force
-from .step_hooks import StepHooks, StepWatch, unwrap_optimizer, unwrap_scheduler
+from .step_hooks import (
+    StepHooks,
+    StepWatch,
+    stepping_wrapper,
+    unwrap_optimizer,
+    unwrap_scheduler,
+)
 from .wrapper import FSLRModule, Measurement
 
 __all__ = [
@@ -112,6 +118,21 @@ def optimizers_of(
     if len({id(o) for o in out}) < len(out):
         raise ValueError("the same optimiser is given twice: give each optimiser once")
     return out
+
+
+def _stepping_wrapper_of(
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+) -> str | None:
+    """:func:`~fslr_func.training.step_hooks.stepping_wrapper` of the first given optimiser
+    that is one."""
+    given = (
+        []
+        if optimizer is None
+        else [optimizer]
+        if not isinstance(optimizer, Sequence)
+        else optimizer
+    )
+    return next((w for o in given if (w := stepping_wrapper(o)) is not None), None)
 
 
 def check_scheduler(scheduler: Any, optimizers: Sequence[torch.optim.Optimizer]) -> Any:
@@ -296,6 +317,7 @@ class StepController:
         self._distributed = bool(getattr(fm, "distributed", False))
         self._group = getattr(fm, "group", None)
         self.optimizers = optimizers_of(optimizers)
+        self._wrapper = _stepping_wrapper_of(optimizers)
         self.plan = ProbePlan.of(warmup_samples, fm.samples, every, start_step)
         # checked integers, kept plain (np.int64 too): they go into states and records
         warmup_samples = int(warmup_samples)
@@ -381,6 +403,16 @@ class StepController:
                 f"this {self.kind} is attached: its hooks already run every optimizer.step() "
                 f"through it, and a `with {self.kind.lower()}.step():` block around the step "
                 "would count it twice; use one form (remove the block, or .detach() the hooks)"
+            )
+        wrapper = self._wrapper or (_stepping_wrapper_of(optimizer) if optimizer else None)
+        if wrapper is not None:
+            raise ValueError(
+                f"a `with {self.kind.lower()}.step():` block measures and scales what the "
+                "block moves, from the weights at its start, but the optimiser is a "
+                f"{wrapper}, whose step may move the weights outside the step of the optimiser "
+                "it wraps (Lookahead's slow weights, SAM's perturbation): use "
+                f"{self.kind.lower()}.attach() instead, whose hooks run on the inner "
+                "optimiser's own step"
             )
         return self._round(self._stepped(optimizer), watched=True)
 

@@ -140,6 +140,21 @@ def _warn_if_per_process(fm: FSLRModule) -> None:
         )
 
 
+def _check_one_base_schedule(base: FSLRRecord, scheduler: Any) -> None:
+    """Refuse to follow the base record's one schedule ratio per step where the base run's
+    param groups followed different schedules (its Recorder saw their ratios split)."""
+    split = base.meta.get("sched_groups_differ_at")
+    if scheduler is None and split is not None:
+        raise ValueError(
+            f"the base run's param groups followed different schedules from step {split} on "
+            "(record.meta['sched_groups_differ_at']), but a record keeps one schedule ratio "
+            "per step, its first group's, which FLeRM without a scheduler would apply to "
+            "every tensor: give the scaled run the base run's schedulers and pass the one "
+            "that drives this optimiser as FLeRM(..., scheduler=...), whose ratio FLeRM "
+            "follows per param group"
+        )
+
+
 def _warn_if_other_optimizer(base: FSLRRecord, optimizer: torch.optim.Optimizer) -> None:
     """Warn where the base record names an optimiser class other than ``optimizer``'s: FSLRs
     at learning rate 1 depend on the update rule, so an Adam record driving SGD sets rates that
@@ -337,6 +352,7 @@ class FLeRM(StepController):
             )
         (self.optimizer,) = self.optimizers
         self.scaler = UpdateScaler(self.optimizer)
+        _check_one_base_schedule(base, scheduler)
         # without a scheduler the groups' rates stay as they are: a change is warned of, once
         self._unscheduled_lrs = (
             None if scheduler is not None else [group_lr(g) for g in self.optimizer.param_groups]

@@ -213,6 +213,7 @@ class Recorder(StepController):
         )
         self._sched = 1.0
         self._stepping: list[torch.optim.Optimizer] = []
+        self._first_lrs: dict[tuple[int, int], float] = {}  # groups without an initial_lr
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -230,7 +231,26 @@ class Recorder(StepController):
                 meta["base_lr"] = self._first_lr(described["base_lr"])
         self._sched = schedule_ratio(optimizers[0], self.scheduler, float(meta["base_lr"]))
         meta["sched_per_step"][self.t :] = [self._sched]
+        if meta.get("sched_groups_differ_at") is None and not self._one_schedule(optimizers):
+            meta["sched_groups_differ_at"] = self.t
         self._stepping = optimizers
+
+    def _one_schedule(self, optimizers: Sequence[torch.optim.Optimizer]) -> bool:
+        """Whether every param group's rate is at one ratio to its initial rate (its
+        ``initial_lr``, else its rate when first seen): one schedule for the whole run, the
+        one ratio per step that :attr:`record` keeps and FLeRM follows without a scheduler."""
+        ratios = []
+        for o in optimizers:
+            for j, g in enumerate(o.param_groups):
+                lr = group_lr(g)
+                first = (
+                    group_lr({"lr": g["initial_lr"]})
+                    if "initial_lr" in g
+                    else self._first_lrs.setdefault((id(o), j), lr)
+                )
+                if first:
+                    ratios.append(lr / first)
+        return not ratios or max(ratios) - min(ratios) <= 1e-6 * max(ratios)
 
     def _measured(self, m: Measurement) -> None:
         if self.feature_gains and "feature_gain" not in self.record.meta:

@@ -67,6 +67,7 @@ __all__ = [
     "StepHooks",
     "StepWatch",
     "nested_step",
+    "stepping_wrapper",
     "unwrap_optimizer",
     "unwrap_scheduler",
 ]
@@ -76,11 +77,33 @@ class StepAborted(RuntimeError):
     """Thrown into a controller's open step when its ``optimizer.step()`` did not finish."""
 
 
+_INNER = ("optimizer", "_optimizer", "base_optimizer", "_base_optimizer")
+# wrappers whose step is their optimiser's step and nothing else, by (module prefix, class)
+_DELEGATING = (
+    ("accelerate", "AcceleratedOptimizer"),
+    ("lightning", "LightningOptimizer"),
+    ("pytorch_lightning", "LightningOptimizer"),
+)
+
+
+def _inner(optimizer: Any) -> Any:
+    """The optimiser ``optimizer`` wraps, or None."""
+    for attribute in _INNER:
+        inner = getattr(optimizer, attribute, None)
+        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
+            return inner
+    return None
+
+
 def unwrap_optimizer(optimizer: Any) -> Any:
-    """The ``torch.optim`` optimiser inside framework wrappers (accelerate, Lightning).
+    """The ``torch.optim`` optimiser inside wrappers: framework wrappers and optimisers that
+    step another one.
 
     ``accelerate``'s ``AcceleratedOptimizer`` keeps it as ``.optimizer``, Lightning's
-    ``LightningOptimizer`` as ``._optimizer``; anything else is returned as it is.
+    ``LightningOptimizer`` as ``._optimizer``, Lookahead as ``.optimizer`` (torch-optimizer)
+    or ``._base_optimizer`` (timm), SAM as ``.base_optimizer``; anything else is returned as
+    it is. The hooks of :class:`StepHooks` then run on the inner optimiser's own step, where
+    the weights are those it steps from, whatever the wrapper does around it.
 
     Examples:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -90,12 +113,32 @@ def unwrap_optimizer(optimizer: Any) -> Any:
         (True, True)
     """
     seen = {id(optimizer)}
-    while True:
-        inner = getattr(optimizer, "optimizer", None) or getattr(optimizer, "_optimizer", None)
-        if not isinstance(inner, torch.optim.Optimizer) or id(inner) in seen:
-            return optimizer
+    while (inner := _inner(optimizer)) is not None and id(inner) not in seen:
         seen.add(id(inner))
         optimizer = inner
+    return optimizer
+
+
+def stepping_wrapper(optimizer: Any) -> str | None:
+    """The class name of a wrapper around ``optimizer``'s inner optimiser whose step may do
+    more than that optimiser's step (Lookahead's slow weights, SAM's perturbation), or None
+    (no wrapper, or only ``accelerate``'s and Lightning's, which just delegate).
+
+    Examples:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> class Lookahead:
+        ...     optimizer = opt
+        >>> stepping_wrapper(Lookahead()), stepping_wrapper(opt)
+        ('Lookahead', None)
+    """
+    seen = {id(optimizer)}
+    while (inner := _inner(optimizer)) is not None and id(inner) not in seen:
+        cls = type(optimizer)
+        if not any(cls.__module__.startswith(m) and cls.__name__ == c for m, c in _DELEGATING):
+            return cls.__name__
+        seen.add(id(inner))
+        optimizer = inner
+    return None
 
 
 def unwrap_scheduler(scheduler: Any) -> Any:

@@ -5,10 +5,10 @@ holds the user's param groups, each with one rate :math:`\eta_g` (whatever sched
 sharding or checkpointing acts on it). For every optimiser whose update is proportional to its
 learning rate, with state that does not depend on it (SGD with momentum, Adam, AdamW, Adamax,
 NAdam, RAdam, Adagrad, Adadelta, RMSprop, Muon, sign-SGD, transformers' ``Adafactor`` at a
-fixed rate; for-loop, ``foreach`` and ``fused`` kernels alike), one step at :math:`\eta_g`
-moves :math:`W` by :math:`\eta_g\,u_W` and one step at :math:`\eta_W` by :math:`\eta_W\,u_W`,
-with the same direction :math:`u_W` and the same new optimiser state. So the step at
-:math:`\eta_W` is the step the optimiser took, with its displacement scaled by
+fixed rate and ``beta1=None``; for-loop, ``foreach`` and ``fused`` kernels alike), one step at
+:math:`\eta_g` moves :math:`W` by :math:`\eta_g\,u_W` and one step at :math:`\eta_W` by
+:math:`\eta_W\,u_W`, with the same direction :math:`u_W` and the same new optimiser state. So
+the step at :math:`\eta_W` is the step the optimiser took, with its displacement scaled by
 :math:`c_W = \eta_W / \eta_g`:
 
 .. math::
@@ -116,7 +116,16 @@ def check_scalable(optimizer: torch.optim.Optimizer) -> None:
             f"update scaled by its rate over its group's) would not be the steps {name} takes "
             f"at those rates; {_INSTEAD}"
         )
+    adafactor = any(c.__name__ == "Adafactor" for c in type(optimizer).__mro__)
     for i, group in enumerate(optimizer.param_groups):
+        if adafactor and group.get("beta1") is not None:
+            # transformers' Adafactor averages the update after multiplying it by the rate
+            raise ValueError(
+                f"FLeRM cannot drive {name} with param group {i}'s beta1={group['beta1']!r}: "
+                "its first moment averages updates already multiplied by the learning rate, "
+                "so its state depends on the rate and a scaled step is not the step at "
+                "another rate; use beta1=None, or AdamW for momentum"
+            )
         if group.get("relative_step") or group.get("lr") is None:
             raise ValueError(
                 f"FLeRM cannot drive {name} with param group {i}'s lr={group.get('lr')!r}"

@@ -351,9 +351,12 @@ class FSLRModule(nn.Module):
         if self._measuring:
             raise RuntimeError(
                 "fm.measure blocks cannot be nested: the outer block already measures this "
-                "optimiser step (with Recorder or FLeRM, do not also call fm.measure; a Recorder "
-                "and FLeRM on one wrapper cannot both probe one step: start the Recorder after "
-                "FLeRM's set points, or record through a second with_fslr(model))"
+                "optimiser step. Two FLeRMs (one per optimiser, Muon + AdamW) probe in their "
+                "own blocks: `with f1.step(): muon.step()` then `with f2.step(): adamw.step()`, "
+                "or attach() both. With a Recorder or FLeRM, do not also call fm.measure; a "
+                "Recorder and FLeRM on one wrapper cannot both probe one step: start the "
+                "Recorder after FLeRM's set points, or record through a second "
+                "with_fslr(model)"
             )
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         m, scaled = Measurement.before_step(self.module, optimizers, self._snapshots)

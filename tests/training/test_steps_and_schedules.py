@@ -651,3 +651,49 @@ def test_a_plateau_not_passed_to_flerm_is_warned_of_once(passed: bool) -> None:
     assert len(changed) == (0 if passed else 1), changed
     if not passed:
         assert "param group 0's rate changed from 0.01 to 0.001" in changed[0]
+
+
+def test_param_groups_on_different_schedules_need_the_scaled_runs_own_scheduler() -> None:
+    """A record keeps one schedule ratio per step: where the base run's groups followed
+    different schedules (a warm-up of one group only), FLeRM without a scheduler would give
+    every tensor the first group's, silently; it is refused, and with the run's own scheduler
+    every tensor follows its group's schedule (the same model gets its base rates back)."""
+
+    def run(schedules: list[Callable[[int], float]]) -> tuple[FSLRRecord, ff.FSLRModule]:
+        fm = model()
+        params = list(fm.parameters())
+        opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, schedules)
+        rec = Recorder(fm, stream(), optimizer=opt, scheduler=sched, warmup_samples=8, every=2)
+        with rec.attach():
+            for t in range(4):
+                opt.zero_grad()
+                backward(fm, t)
+                opt.step()
+                sched.step()
+        return rec.record, fm
+
+    same, _ = run([lambda t: 1 / (1 + t)] * 2)
+    assert same.meta.get("sched_groups_differ_at") is None
+    split_schedules: list[Callable[[int], float]] = [lambda t: 1 / (1 + t), lambda t: 1.0]
+    split, _ = run(split_schedules)
+    assert split.meta["sched_groups_differ_at"] == 1
+    loaded = FSLRRecord.from_dict(split.to_dict())
+    assert FSLRRecord.mean([same, loaded]).meta["sched_groups_differ_at"] == 1
+    fm = model()
+    params = list(fm.parameters())
+    opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    with pytest.raises(ValueError, match=r"different schedules from step 1.*scheduler="):
+        ff.FLeRM(fm, opt, loaded, probe_batches=stream(2))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, split_schedules)
+    flerm = ff.FLeRM(fm, opt, loaded, probe_batches=stream(2), scheduler=sched)
+    with flerm.attach():
+        for t in range(3):
+            opt.zero_grad()
+            backward(fm, t)
+            opt.step()
+            sched.step()
+    lrs = flerm.lrs()  # step 3: group 0 at 1/4 of its initial rate, group 1 at its rate
+    schedule = {n: v / (1e-2 * flerm.ratios[n]) for n, v in lrs.items()}
+    expected = {"0.weight": 0.25, "0.bias": 0.25, "2.weight": 1.0, "2.bias": 1.0}
+    assert schedule == pytest.approx(expected, rel=1e-9)

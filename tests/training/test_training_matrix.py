@@ -417,12 +417,22 @@ def _adafactor_no_lr(p: Any) -> torch.optim.Optimizer:
     return Adafactor(p, lr=None)  # type: ignore[no-any-return]
 
 
+def _adafactor_momentum(p: Any) -> torch.optim.Optimizer:
+    from transformers.optimization import Adafactor
+
+    return Adafactor(  # type: ignore[no-any-return]
+        p, lr=LR, beta1=0.9, relative_step=False, scale_parameter=False, warmup_init=False
+    )
+
+
 REFUSED: dict[str, tuple[Callable[[Any], torch.optim.Optimizer], str]] = {
     "LBFGS": (lambda p: torch.optim.LBFGS(p), "closure"),
     "Rprop": (lambda p: torch.optim.Rprop(p), "clipped"),
     "ASGD": (lambda p: torch.optim.ASGD(p), "depend on lr"),
     "torch-Adafactor": (lambda p: torch.optim.Adafactor(p), r"min\(lr, 1/sqrt\(t\)\)"),
     "hf-Adafactor-lr-None": (_adafactor_no_lr, "relative_step=False"),
+    # its first moment averages lr * update: its state depends on the rate
+    "hf-Adafactor-beta1": (_adafactor_momentum, "beta1=0.9.*beta1=None"),
     "schedule-free": (_schedulefree, "average of its own iterates"),
     "Prodigy": (_prodigy, "one step size for all the tensors"),
 }
