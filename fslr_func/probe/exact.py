@@ -43,6 +43,7 @@ from .functional import (
     check_inputs,
     check_output,
     evaluation_point,
+    infinite_input_error,
     model_forward,
     substituted,
 )
@@ -120,7 +121,7 @@ def exact(
     """
     check_forward_seed(forward_seed)
     tensors, point = evaluation_point(model, delta, params)
-    check_inputs(inputs)
+    infinite = check_inputs(inputs)
 
     result = {}
     use_jvp = True
@@ -184,6 +185,7 @@ def exact(
         tangent = tangent.detach()  # an input with requires_grad gives J dW a graph to it
         result[name] = torch.ldexp(tangent.to(torch.float64).square().mean().sqrt(), -k)
         if not torch.isfinite(result[name]):
+            infinite_input_error(result, infinite)
             raise ValueError(
                 f"J dW of {name!r} is not finite in the model's dtype {primal.dtype} even for "
                 "the update scaled to a largest entry of 1 (forward mode and a double vjp "

@@ -20,6 +20,7 @@ Examples:
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
@@ -88,7 +89,7 @@ def _leaf_key(leaf: object) -> Hashable:
     return (type(leaf), leaf)
 
 
-_FLAGS = (bool, int, float, str, type(None))
+_FLAGS = (bool, int, float, str, type(None), enum.Enum)
 
 
 def _module_key(name: str, module: nn.Module) -> Hashable:
@@ -101,7 +102,8 @@ def _module_key(name: str, module: nn.Module) -> Hashable:
         tuple(module._forward_hooks),
         tuple(module._forward_pre_hooks),
         None if own_forward is None else id(own_forward),
-        # Plain attributes a forward may branch on (use_reentrant, gradient_checkpointing).
+        # Plain attributes a forward may branch on (use_reentrant, gradient_checkpointing,
+        # an Enum mode).
         tuple((k, v) for k, v in module.__dict__.items() if isinstance(v, _FLAGS)),
     )
 
@@ -117,8 +119,8 @@ def probe_signature(
 
     The key holds every parameter's name, identity, shape, dtype, device and
     ``requires_grad``; every submodule's name, type, identity, training mode, forward hooks,
-    instance-patched ``forward`` and plain attributes (bools, numbers, strings: the flags a
-    forward branches on); the buffers' names, shapes and dtypes; the names,
+    instance-patched ``forward`` and plain attributes (bools, numbers, strings, enums: the
+    flags a forward branches on); the buffers' names, shapes and dtypes; the names,
     shapes and dtypes of ``delta`` and ``params``; the inputs' structure, and the shape,
     dtype and device of each input tensor (other arguments by value); the readout,
     ``output_fn``, grouping and strategy options; and the autocast state. A probe with the

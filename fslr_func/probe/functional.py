@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -353,6 +353,17 @@ def _check_delta_structure(delta: Mapping[str, Tensor], tensors: ModuleTensors, 
             f"{what} values must be numeric updates, got bool tensors (a mask?) for {masks}: "
             "pass the update itself, (W_after - W_before) / lr, as a floating tensor"
         )
+    integral = [
+        f"{n!r} ({d.dtype})"
+        for n, d in delta.items()
+        if what == "params" and not (d.is_floating_point() or d.is_complex())
+    ]
+    if integral:
+        raise ValueError(
+            f"params are the weights to linearise at, as floating tensors; got "
+            f"{', '.join(integral)}: "
+            "pass the parameters' values (a float32 master copy of a bfloat16 model is cast)"
+        )
     complex_ = [n for n, d in delta.items() if d.is_complex() or tensors.trainable[n].is_complex()]
     if complex_:
         raise ValueError(
@@ -429,35 +440,71 @@ def check_output(out: Tensor, *, finite: bool = True) -> None:
         )
 
 
-def check_inputs(inputs: Inputs, *, finite: bool = True) -> None:
-    """Check the probe batch's tensors: none empty, and (with ``finite``) no NaN or Inf.
+def check_inputs(inputs: Inputs, *, finite: bool = True) -> list[str]:
+    """Check the probe batch's tensors: not all empty, and (with ``finite``) no NaN.
+
+    An infinite entry can be an input's own business (a causal mask of 0 and ``-inf``, as
+    ``nn.Transformer.generate_square_subsequent_mask`` makes); the inputs holding one are
+    returned, for :func:`infinite_input_error` to name where an FSLR comes out non-finite.
+    One empty tensor beside others is valid too (a memory of length 0 at a sequence's start);
+    only a batch whose every tensor is empty is an empty batch.
+
+    Returns:
+        The inputs with infinite entries, by position or keyword.
 
     Raises:
-        ValueError: an input tensor on the meta device or with no elements (an empty batch),
-            or a floating input with NaN or Inf entries, named by its position or keyword.
+        ValueError: an input tensor on the meta device; a batch whose tensors all have no
+            elements; a floating input with NaN entries, named by its position or keyword.
     """
     args, kwargs = split_inputs(inputs)
     named = [(f"positional input {i}", a) for i, a in enumerate(args)]
     named += [(f"input {k}=", v) for k, v in kwargs.items()]
-    for where, value in named:
-        for leaf in tree_flatten(value)[0]:
-            if not isinstance(leaf, Tensor):
-                continue
-            if leaf.is_meta:
-                raise ValueError(
-                    f"{where} is on the meta device (a shape without data): the probe needs "
-                    "a real batch on the model's device"
-                )
-            if leaf.numel() == 0 and leaf.dim() > 0:
-                raise ValueError(
-                    f"the probe batch is empty: {where} has shape {tuple(leaf.shape)}; pass a "
-                    f"batch with at least one example"
-                )
-            if finite and leaf.is_floating_point() and not all_finite(leaf):
-                raise ValueError(
-                    f"the probe batch has NaN or Inf entries in {where}: the FSLR is "
-                    f"undefined there; clean or skip the batch"
-                )
+    leaves = [
+        (where, leaf)
+        for where, value in named
+        for leaf in tree_flatten(value)[0]
+        if isinstance(leaf, Tensor)
+    ]
+    for where, leaf in leaves:
+        if leaf.is_meta:
+            raise ValueError(
+                f"{where} is on the meta device (a shape without data): the probe needs "
+                "a real batch on the model's device"
+            )
+    batched = [(where, leaf) for where, leaf in leaves if leaf.dim() > 0]
+    if batched and all(leaf.numel() == 0 for _, leaf in batched):
+        where, leaf = batched[0]
+        raise ValueError(
+            f"the probe batch is empty: {where} has shape {tuple(leaf.shape)}; pass a "
+            f"batch with at least one example"
+        )
+    infinite = []
+    for where, leaf in leaves:
+        if not finite or not leaf.is_floating_point() or all_finite(leaf):
+            continue
+        if bool(torch.isnan(leaf).any()):
+            raise ValueError(
+                f"the probe batch has NaN entries in {where}: the FSLR is undefined there; "
+                "clean or skip the batch"
+            )
+        infinite.append(where)
+    return infinite
+
+
+def infinite_input_error(fslr: Mapping[str, Tensor], infinite: Sequence[str]) -> None:
+    """Raise where an FSLR came out non-finite from a batch with infinite inputs.
+
+    Raises:
+        ValueError: naming the tensors and the inputs (an infinite entry reached their
+            gradients: data, not a mask).
+    """
+    bad = [n for n, v in fslr.items() if not bool(torch.isfinite(v))]
+    if bad and infinite:
+        raise ValueError(
+            f"the FSLRs of {bad[:10]} are not finite: the probe batch has Inf entries in "
+            f"{list(infinite)}, which reach their gradients (an additive mask of -inf is "
+            "fine where it meets no parameter); clean or skip the batch"
+        )
 
 
 def is_dtensor(t: object) -> bool:
@@ -595,7 +642,8 @@ def evaluation_point(
     point = dict(tensors.trainable)
     if params is not None:
         check_delta(params, tensors, what="params", finite=finite, structure=not checked)
-        point.update({n: p.detach() for n, p in params.items()})
+        # in the parameters' own dtypes (a float32 master copy of a bf16 model), as delta is
+        point.update({n: p.detach().to(tensors.trainable[n].dtype) for n, p in params.items()})
     return tensors, point
 
 
@@ -630,6 +678,7 @@ def model_forward(
         unscaled_embedding_gradients(module),
         backward_hooks_off(module),
         shared_submodules_kept(module),
+        own_parametrization_cache(),
     ):
         try:
             return functional_call(module, dict(tensors), args, kwargs, strict=False)
@@ -656,6 +705,32 @@ def _shapes(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> str:
 
 
 @contextlib.contextmanager
+def own_parametrization_cache() -> Iterator[None]:
+    """Inside a user's ``torch.nn.utils.parametrize.cached()`` block, give the probe's forward
+    a cache of its own: the user's holds the parametrized weights computed from the module's
+    parameters, which a forward at substituted tensors would read instead of computing them
+    from those tensors (every parametrization's FSLR would read 0). Outside such a block,
+    nothing changes.
+
+    Examples:
+        >>> import torch.nn.utils.parametrize as P
+        >>> with P.cached(), own_parametrization_cache():
+        ...     P._cache == {}
+        True
+    """
+    parametrize = torch.nn.utils.parametrize
+    if not getattr(parametrize, "_cache_enabled", 0):
+        yield
+        return
+    users = parametrize._cache
+    parametrize._cache = {}
+    try:
+        yield
+    finally:
+        parametrize._cache = users
+
+
+@contextlib.contextmanager
 def substituted(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
     """Keep ``tensors`` in ``model`` (as :func:`model_forward` does) for a backward pass.
 
@@ -674,6 +749,7 @@ def substituted(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[Non
         unscaled_embedding_gradients(module),
         backward_hooks_off(module),
         shared_submodules_kept(module),
+        own_parametrization_cache(),
         _reparametrize_module(module, state, tie_weights=True, strict=False),
     ):
         yield

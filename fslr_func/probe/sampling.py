@@ -49,7 +49,7 @@ from ..stats.estimator import (
 )
 from ..stats.statistics import ProductStatistics, ScaledUpdate
 from .fallback import first_line, warn_once
-from .functional import Inputs
+from .functional import Inputs, check_inputs, infinite_input_error
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
 from .split_head import SplitHead
 from .vjp import VjpSetup, prepare_vjp
@@ -658,4 +658,7 @@ def estimate(
     result = probe(
         model, inputs, delta, generator=generator, params=params, reduction=reduction, **options
     )
-    return result.fslr(estimator)
+    fslr = result.fslr(estimator)
+    if not all(bool(torch.isfinite(v)) for v in fslr.values()):
+        infinite_input_error(fslr, check_inputs(inputs))  # an Inf input reached a gradient
+    return fslr

@@ -130,7 +130,7 @@ def _check_estimates(rank: int) -> None:
     # leaving the others waiting for it forever.
     bad_shards = [
         (x_probe[:0], "probe batch is empty"),
-        (x_probe * math.nan, "NaN or Inf"),
+        (x_probe * math.nan, "NaN entries"),
         (x_probe[:, :3], "RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
     ]
     for bad, own in bad_shards:

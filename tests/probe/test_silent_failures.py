@@ -325,16 +325,60 @@ def test_a_max_norm_embedding_keeps_its_weights(func: str, frozen: bool) -> None
 
 
 @pytest.mark.parametrize("func", sorted(ONE_SHOT))
-@pytest.mark.parametrize("bad", [math.nan, math.inf])
-def test_non_finite_inputs_are_named(func: str, bad: float) -> None:
+def test_nan_inputs_are_named_and_an_inf_reaching_a_gradient_is_named(
+    func: str,
+) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
     x = torch.randn(6, 4)
-    x[2, 1] = bad
-    with pytest.raises(ValueError, match="NaN or Inf entries in positional input 0"):
+    x[2, 1] = math.nan
+    with pytest.raises(ValueError, match="NaN entries in positional input 0"):
         ONE_SHOT[func](model, x, updates(model))
-    with pytest.raises(ValueError, match="NaN or Inf entries in input x="):
-        ONE_SHOT[func](model, {"input": x} if False else {"x": x}, updates(model))
+    with pytest.raises(ValueError, match="NaN entries in input x="):
+        ONE_SHOT[func](model, {"x": x}, updates(model))
+    x[2, 1] = math.inf  # tanh keeps the output finite; 0 * inf in the first weight's gradient
+    with pytest.raises(ValueError, match=r"\['0.weight'\] are not finite.*Inf entries in \['posi"):
+        ONE_SHOT[func](model, x, updates(model))
+
+
+class MaskedAttention(nn.Module):
+    """A causal self-attention language model's core: the mask, 0 and -inf, is an input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: Tensor, mask: Tensor, memory: Tensor) -> Tensor:
+        h = torch.cat([memory, x], dim=1)  # memory of length 0 at the sequence's start
+        return self.head(self.layer(h, src_mask=mask))
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_an_infinite_mask_and_an_empty_memory_beside_the_batch_are_valid_inputs(
+    func: str,
+) -> None:
+    """A causal mask of 0 and -inf (``generate_square_subsequent_mask``) and a memory of
+    length 0 were refused as "NaN or Inf" and "an empty batch": the output is finite and the
+    batch has examples. The FSLRs are those with the mask at a large finite negative."""
+    torch.manual_seed(0)
+    model = MaskedAttention().eval()
+    x, memory = torch.randn(3, 5, 8), torch.zeros(3, 0, 8)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    assert torch.isinf(mask).any()
+    delta = updates(model)
+
+    def run(mask: Tensor) -> dict[str, Tensor]:
+        seeded = {"generator": torch.Generator().manual_seed(0)} if func == "estimate" else {}
+        inputs = {"x": x, "mask": mask, "memory": memory}
+        return ONE_SHOT[func](model, inputs, delta, **seeded)  # type: ignore[no-any-return]
+
+    got, want = run(mask), run(mask.clamp(min=-1e9))
+    assert got.keys() == want.keys()
+    for name in got:
+        torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=0, msg=name)
+    with pytest.raises(ValueError, match=r"probe batch is empty: input x="):
+        ONE_SHOT[func](model, {"x": x[:0], "mask": mask[:0, :0], "memory": memory[:0]}, delta)
 
 
 class Overflows(nn.Module):
@@ -557,3 +601,52 @@ def test_tensors_sharing_one_gradient_get_the_same_estimate(strategy: str, model
     exact = ff.exact(net, x, delta, output_fn=fn)
     assert float(exact[pair[1]]) == pytest.approx(float(exact[pair[0]]), rel=1e-6)
     assert float(est[pair[1]]) == pytest.approx(float(est[pair[0]]), rel=1e-6)
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_a_parametrization_cache_of_the_users_is_not_read_by_the_probe(func: str) -> None:
+    """Inside ``torch.nn.utils.parametrize.cached()`` (torch's advice for RNN loops) the
+    forward read the weight cached from the module's parameter, not the one computed from
+    the tensor the probe substitutes: the parametrization's FSLR read exactly 0."""
+    parametrize = torch.nn.utils.parametrize
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    torch.nn.utils.parametrizations.orthogonal(model[2])
+    x, delta = torch.randn(8, 4), updates(model)
+
+    def run() -> dict[str, Tensor]:
+        seeded = {"generator": torch.Generator().manual_seed(0)} if func == "estimate" else {}
+        return ONE_SHOT[func](model, x, delta, **seeded)  # type: ignore[no-any-return]
+
+    outside = run()
+    with parametrize.cached():
+        model(x)  # the user's forward fills the cache
+        cached = parametrize._cache.copy()
+        inside = run()
+        assert parametrize._cache.keys() == cached.keys()  # the user's cache is kept
+        assert all(parametrize._cache[k] is v for k, v in cached.items())
+    name = "2.parametrizations.weight.original"
+    assert float(outside[name]) > 0
+    for n in outside:
+        torch.testing.assert_close(inside[n], outside[n], rtol=1e-6, atol=0, msg=n)
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_params_of_another_floating_dtype_are_cast_and_integers_refused(func: str) -> None:
+    """A float32 master copy of a bfloat16 model's weights as ``params`` raised torch's
+    "mat1 and mat2 must have the same dtype" from inside the model; integer ``params`` raised
+    "only Tensors of floating point dtype can require gradients"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(torch.bfloat16)
+    x, delta = torch.randn(6, 4, dtype=torch.bfloat16), updates(model)
+    master = {n: p.detach().float() + 0.01 for n, p in model.named_parameters()}
+
+    def run(params: dict[str, Tensor]) -> dict[str, Tensor]:
+        seeded = {"generator": torch.Generator().manual_seed(0)} if func == "estimate" else {}
+        return ONE_SHOT[func](model, x, delta, params=params, **seeded)  # type: ignore[no-any-return]
+
+    got = run(master)
+    want = run({n: p.to(torch.bfloat16) for n, p in master.items()})
+    assert got == want
+    with pytest.raises(ValueError, match=r"floating tensors; got '0.weight' \(torch.int64\)"):
+        run(dict(master, **{"0.weight": master["0.weight"].long()}))
