@@ -16,7 +16,8 @@ like the editors and tools people trust:
   name) to fit the folder's name limit (``NAME_MAX``, 255 bytes on most filesystems).
 
 A writer killed mid-write leaves its temporary file behind; the next write of the same target
-deletes it. Errors name the target, never the temporary file.
+on the same machine deletes it (another machine's, on a shared filesystem, once it is an hour
+old). Errors name the target, never the temporary file.
 
 Examples:
     >>> import json, tempfile, pathlib
@@ -29,13 +30,16 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import functools
 import glob
 import hashlib
 import json
 import os
 import re
 import secrets
+import socket
 import stat
+import time
 from pathlib import Path
 from typing import Any
 
@@ -58,7 +62,9 @@ def _create_temporary(folder: Path, prefix: str, mode: int) -> tuple[int, str]:
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
     flags |= getattr(os, "O_BINARY", 0) | getattr(os, "O_NOFOLLOW", 0)
     while True:
-        path = os.path.join(folder, f"{prefix}{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        path = os.path.join(
+            folder, f"{prefix}{os.getpid()}.{_machine_tag()}{secrets.token_hex(4)}.tmp"
+        )
         try:
             return os.open(path, flags, mode), path
         except FileExistsError:
@@ -76,6 +82,27 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@functools.cache
+def _machine_tag() -> str:
+    """Six hex digits naming this machine and PID namespace (host name and the namespace's
+    inode): a pid in a temporary name means something only where the tag is this one's.
+
+    Examples:
+        >>> len(_machine_tag()), _machine_tag() == _machine_tag()
+        (6, True)
+    """
+    try:
+        namespace = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no /proc (macOS, Windows): the host name alone
+        namespace = 0
+    return hashlib.sha256(f"{socket.gethostname()}/{namespace}".encode()).hexdigest()[:6]
+
+
+_STALE_SECONDS = 3600.0
+"""Age after which another machine's temporary file is taken as left behind: a write is
+seconds from its temporary file's creation to its rename."""
 
 
 def _pid_alive(pid: int) -> bool:
@@ -100,18 +127,19 @@ def _name_limit(folder: Path) -> int:
 def _temp_prefix(name: str, limit: int) -> str:
     """``.<name>.``, the start of every temporary name of target ``name``, shortened to fit.
 
-    A temporary name is the prefix, the writer's pid, a dot, 8 random characters and
-    ``.tmp``; when that could exceed ``limit`` bytes, ``name`` is cut (on a character
-    boundary) and a hash of the whole name keeps prefixes of different targets apart.
+    A temporary name is the prefix, the writer's pid, a dot, the machine's tag
+    (:func:`_machine_tag`), 8 random characters and ``.tmp``; when that could exceed
+    ``limit`` bytes, ``name`` is cut (on a character boundary) and a hash of the whole name
+    keeps prefixes of different targets apart.
 
     Examples:
         >>> _temp_prefix("r.json", 255)
         '.r.json.'
         >>> p = _temp_prefix("x" * 250, 255)
-        >>> len(p.encode()) + 7 + 1 + 8 + 4 <= 255, p[-10]
+        >>> len(p.encode()) + 7 + 1 + 14 + 4 <= 255, p[-10]
         (True, '~')
     """
-    room = limit - (7 + 1 + 8 + 4)  # pid (up to 7 digits), ".", random part, ".tmp"
+    room = limit - (7 + 1 + 14 + 4)  # pid (up to 7 digits), ".", tag and random, ".tmp"
     encoded = name.encode("utf-8", "surrogateescape")
     if len(encoded) + 2 <= room:
         return f".{name}."
@@ -123,19 +151,28 @@ def _temp_prefix(name: str, limit: int) -> str:
 def _remove_leftovers(folder: Path, prefix: str) -> None:
     """Delete the temporary files of earlier writes of a target whose writer has died.
 
-    A temporary file is named ``<prefix><pid>.<random>.tmp`` after the process writing it
-    (:func:`_temp_prefix`); a writer killed between creating it and the rename (``kill -9``,
-    a power cut) leaves it behind. Files of live processes (a concurrent write of the same
-    target) are kept.
+    A temporary file is named ``<prefix><pid>.<tag><random>.tmp`` after the process writing
+    it and its machine (:func:`_temp_prefix`, :func:`_machine_tag`); a writer killed between
+    creating it and the rename (``kill -9``, a power cut) leaves it behind. Files of live
+    processes (a concurrent write of the same target) are kept, and so are another machine's
+    (a shared filesystem: its pid means nothing here) until they are an hour old.
     """
+    tag = _machine_tag()
     for leftover in folder.glob(f"{glob.escape(prefix)}*.tmp"):
-        # exactly "<pid>.<random>.tmp" after the prefix: the temporary file of another
-        # target whose name extends this one ("r.json.1" for "r.json") has one more part
-        ours = re.fullmatch(r"(\d+)\.[^.]+\.tmp", leftover.name[len(prefix) :])
+        # exactly "<pid>.<tag><random>.tmp" after the prefix:
+        # the temporary file of a target whose name extends this one has one more part
+        ours = re.fullmatch(r"(\d+)\.([^.]+)\.tmp", leftover.name[len(prefix) :])
         if ours is None:
             continue
-        pid = int(ours.group(1))
-        if pid != os.getpid() and not _pid_alive(pid):
+        pid, rest = int(ours.group(1)), ours.group(2)
+        if len(rest) != 14 or rest[:6] == tag:  # an older version's name has no tag
+            dead = pid != os.getpid() and not _pid_alive(pid)
+        else:
+            try:
+                dead = time.time() - leftover.stat().st_mtime > _STALE_SECONDS
+            except OSError:  # gone: renamed by its writer
+                dead = False
+        if dead:
             with contextlib.suppress(OSError):
                 leftover.unlink()
 

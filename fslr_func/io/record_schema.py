@@ -289,10 +289,10 @@ def _json_value(v: object) -> bool:
     """``v`` is JSON: ``None``, a bool, an int, a finite float (JSON has no NaN or infinity),
     a str, or lists (tuples) and str-keyed dicts of those: a user's meta entry, checked at
     construction rather than at the first save."""
-    if v is None or isinstance(v, (bool, int, str)):
+    if v is None or isinstance(v, (bool, str)) or _is_int(v):
         return True
-    if isinstance(v, float):
-        return math.isfinite(v)
+    if isinstance(v, numbers.Real):  # a float, a NumPy float
+        return math.isfinite(float(v))
     if isinstance(v, Mapping):
         return all(isinstance(k, str) and _json_value(x) for k, x in v.items())
     if isinstance(v, (list, tuple)):
@@ -351,11 +351,33 @@ def check_meta(meta: object) -> dict[str, Any]:
         )
         if not check(value):
             raise ValueError(f"meta[{key!r}] is {value!r}: it must be {what}; {_FIX}")
-    if "shapes" in out:
-        out["shapes"] = {k: [int(d) for d in s] for k, s in out["shapes"].items()}
+    # plain Python values: a NumPy number passes the checks but not json.dumps or
+    # torch.load(weights_only=True); sched_per_step's ratios are floats, an int among them too
+    out = {k: _plain(v) for k, v in out.items()}
     if "sched_per_step" in out:
         out["sched_per_step"] = [float(r) for r in out["sched_per_step"]]
     return out
+
+
+def _plain(v: Any) -> Any:
+    """``v`` with NumPy (or any ``numbers``) ints and floats as Python's, tuples as lists.
+
+    Examples:
+        >>> from fractions import Fraction  # a numbers.Real, as NumPy's floats are
+        >>> _plain({"seed": (3,), "lr": Fraction(1, 2), "on": True})
+        {'seed': [3], 'lr': 0.5, 'on': True}
+    """
+    if isinstance(v, bool) or v is None or isinstance(v, str):
+        return v
+    if _is_int(v):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    if isinstance(v, Mapping):
+        return {k: _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    return v
 
 
 # ---------------------------------------------------------------------- documents
@@ -383,7 +405,7 @@ def parse_json(raw: bytes, source: str) -> Any:
         ValueError: 'r.json' is damaged: the key 'a' appears twice in one object; keep one ...
     """
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")  # a byte-order mark, as some editors save, is no damage
     except UnicodeDecodeError as err:
         raise ValueError(
             f"{source} is damaged: it is not valid JSON (not UTF-8 text: {err}); pass a file "

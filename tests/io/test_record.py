@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -15,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fslr_func as ff
-from fslr_func.io.atomic import write_json
+from fslr_func.io.atomic import _machine_tag, write_json
 from fslr_func.io.record import FORMAT, META_KEYS, VERSION, FSLRRecord, optimizer_meta
 
 SETTINGS = settings(max_examples=50, deadline=None)
@@ -193,10 +194,19 @@ def test_next_save_removes_temp_files_of_killed_writers(tmp_path: Path) -> None:
     # a writer of "r.json.<digits>" (a numbered copy), in flight: its temporary name starts
     # with r.json's prefix, and the digits are not a pid
     extended = tmp_path / f".r.json.{dead}.{os.getppid()}.g7h8.tmp"
-    for f in (killed, live, other, extended):
+    # another machine's writers on a shared filesystem (NFS; another PID namespace): their
+    # pids mean nothing here, so theirs are kept until they are an hour old
+    foreign = "0" * 6 if _machine_tag() != "0" * 6 else "1" * 6
+    elsewhere = tmp_path / f".r.json.{dead}.{foreign}12345678.tmp"
+    stale = tmp_path / f".r.json.{dead}.{foreign}87654321.tmp"
+    own = tmp_path / f".r.json.{dead}.{_machine_tag()}12345678.tmp"  # this machine's, dead
+    for f in (killed, live, other, extended, elsewhere, stale, own):
         f.write_text("partial")
+    two_hours_ago = time.time() - 7200
+    os.utime(stale, (two_hours_ago, two_hours_ago))
     simple([1.0]).save(path)
-    assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, extended.name, "r.json"])
+    kept = [live.name, other.name, extended.name, elsewhere.name, "r.json"]
+    assert sorted(os.listdir(tmp_path)) == sorted(kept)
 
 
 def test_save_rejects_non_json_meta_without_touching_file(tmp_path: Path) -> None:

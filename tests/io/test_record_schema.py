@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -236,3 +237,38 @@ def test_mean_refuses_records_of_other_estimators_groupings_and_optimisers() -> 
             FSLRRecord.mean([rec(**{key: a}), rec(**{key: b})])
     mean = FSLRRecord.mean([rec(estimator="kron"), rec()])  # not recorded: matches anything
     assert mean.meta["estimator"] == "kron"
+
+
+def test_numpy_numbers_in_meta_become_python_numbers(tmp_path: Path) -> None:
+    """``Recorder(..., meta={"seed": seed})`` in a loop over ``np.arange`` passed the checks,
+    then failed at the end of the run: ``save`` ("int64 is not JSON serializable"), FLeRM
+    (which hashes the record as JSON) and ``torch.load(weights_only=True)`` of a state
+    holding it."""
+    np = pytest.importorskip("numpy")
+    meta = {
+        "seed": np.int64(3),
+        "samples": np.int32(4),
+        "every": np.int64(2),
+        "base_lr": np.float32(0.5),
+        "beta": np.float64(0.9),
+        "mine": {"widths": (np.int64(32), np.int64(64)), "ratio": np.float32(0.25)},
+    }
+    rec = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta=meta)
+    assert rec.meta["seed"] == 3 and type(rec.meta["seed"]) is int
+    assert type(rec.meta["base_lr"]) is float and type(rec.meta["samples"]) is int
+    assert rec.meta["mine"] == {"widths": [32, 64], "ratio": 0.25}
+    path = tmp_path / "r.json"
+    rec.save(path)
+    assert FSLRRecord.load(path) == rec
+    state = tmp_path / "state.pt"
+    torch.save({"record": rec.to_dict()}, state)
+    assert FSLRRecord.from_dict(torch.load(state, weights_only=True)["record"]) == rec
+
+
+def test_a_record_saved_with_a_utf8_byte_order_mark_loads(tmp_path: Path) -> None:
+    """An editor saving "UTF-8 with BOM" made a whole record read as damaged or truncated."""
+    rec = FSLRRecord(steps=[0, 5], fslr={"w": [1.0, 2.0]}, meta={"base_lr": 0.1})
+    path = tmp_path / "base.json"
+    rec.save(path)
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert FSLRRecord.load(path) == rec
