@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -137,7 +138,9 @@ def mean_record(records: Iterable[FSLRRecord]) -> FSLRRecord | None:
         common &= set(r.steps)
     if not common:
         return None
-    return FSLRRecord.mean(_common_rows(r, common) for r in recs)
+    with warnings.catch_warnings():  # runs stopped at divergence: their rows are cut above
+        warnings.filterwarnings("ignore", "FSLRRecord.mean: the seeds' runs lasted")
+        return FSLRRecord.mean(_common_rows(r, common) for r in recs)
 
 
 class SweepCache:

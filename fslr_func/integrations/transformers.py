@@ -98,7 +98,7 @@ def _load_state(path: str) -> dict[str, Any]:
     """The FSLR state a checkpoint saved, or a ``ValueError`` naming the file if it cannot
     be read (cut short by a full disk, written by something else)."""
     try:
-        state = torch.load(path, weights_only=False)
+        state = torch.load(path, weights_only=True)  # tensors and plain values: no code runs
     except Exception as err:  # torch's own errors name no file (EOFError, OSError, pickle's)
         raise ValueError(
             f"{path!r} cannot be read ({type(err).__name__}: {err}): resume from another "

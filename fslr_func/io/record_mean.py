@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -110,6 +111,21 @@ def _seed_count(record: Series) -> int:
     return len(seed) if isinstance(seed, list) and seed else 1
 
 
+def _warn_if_runs_ended_apart(records: Sequence[Series]) -> None:
+    """Warn where the seeds' runs lasted different numbers of steps (their Recorders' per-step
+    schedules differ in length): past a short run's end, the mean holds its last row, which
+    a diverged, killed or shorter seed did not measure there."""
+    lengths = [len(p) for r in records if isinstance(p := r.meta.get("sched_per_step"), list)]
+    if len(lengths) == len(records) and min(lengths) != max(lengths):
+        warnings.warn(
+            f"FSLRRecord.mean: the seeds' runs lasted {sorted(set(lengths))} steps; past a "
+            "shorter run's end its last row stands in for the steps it did not measure: re-run "
+            "the shorter seeds (a diverged or killed run), or leave them out",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+
+
 def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
     """The fields (``steps``, ``fslr``, ``lrs``, ``sched``, ``meta``) of the mean record.
 
@@ -118,6 +134,7 @@ def seed_mean(records: Sequence[Series]) -> dict[str, Any]:
             (:func:`~fslr_func.io.record_schema.check_compatible` names what differs).
     """
     check_compatible(records)
+    _warn_if_runs_ended_apart(records)
     first = records[0]
     seeds: list[Any] = []
     for rec in records:

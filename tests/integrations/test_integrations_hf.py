@@ -294,3 +294,24 @@ def test_an_encoder_decoder_probe_feeds_the_decoder_the_labels_shifted(
     ).train()  # fmt: skip
     assert callback.session.record().steps == [0, 1]
     assert set(shapes) == {(4, 6)}  # training's decoder inputs and the probe's: the labels'
+
+
+class _RunsCode:
+    """A pickle that runs code when loaded without ``weights_only``."""
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (print, ("code ran while loading",))
+
+
+def test_a_state_file_that_would_run_code_is_refused_not_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The callback loaded ``fslr_state.pt`` with ``weights_only=False``: a checkpoint from
+    elsewhere could run code at resume. Its states are tensors and plain values."""
+    from fslr_func.integrations.transformers import _load_state
+
+    path = tmp_path / "fslr_state.pt"
+    torch.save({"evil": _RunsCode()}, path)
+    with pytest.raises(ValueError, match=r"fslr_state\.pt' cannot be read"):
+        _load_state(str(path))
+    assert "code ran" not in capsys.readouterr().out

@@ -6,6 +6,7 @@ import json
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -643,3 +644,22 @@ def test_a_lookup_by_a_step_that_is_not_an_int_is_refused(step: Any) -> None:
     for lookup in (rec.at, rec.sched_at, rec.lrs_at, rec.past_end):
         with pytest.raises(TypeError, match="a step is an int"):
             lookup(step)
+
+
+PLAN = {"every": 3, "warmup_samples": 8, "start_step": 0}  # one probe schedule
+
+
+def test_the_mean_of_runs_that_ended_apart_warns() -> None:
+    """A seed that stopped early (diverged, killed) had its last row carried to the longer
+    seeds' later steps without a word."""
+    long = FSLRRecord(steps=[0, 3, 6, 9], fslr={"w": [1.0, 2.0, 3.0, 4.0]},
+                      meta={"seed": 0, "sched_per_step": [1.0] * 12, **PLAN})  # fmt: skip
+    short = FSLRRecord(steps=[0, 3], fslr={"w": [1.0, 2.0]},
+                       meta={"seed": 1, "sched_per_step": [1.0] * 6, **PLAN})  # fmt: skip
+    with pytest.warns(RuntimeWarning, match=r"lasted \[6, 12\] steps"):
+        FSLRRecord.mean([long, short])
+    same = FSLRRecord(steps=[0, 3, 6, 9], fslr={"w": [2.0] * 4},
+                      meta={"seed": 2, "sched_per_step": [1.0] * 12, **PLAN})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert FSLRRecord.mean([long, same]).fslr["w"] == [1.5, 2.0, 2.5, 3.0]
