@@ -80,10 +80,12 @@ match="features")``)."""
 class _Run(NamedTuple):
     """One short run's records: ``movement`` from step 1 (every mode alike: the movement
     compared), ``start`` of step 0 (not under FLeRM, whose set point is step 0's probe; a
-    standard run's is FLeRM's base record, with the feature gains of the first update)."""
+    standard run's is FLeRM's base record, with the feature gains of the first update);
+    ``diverged``: its loss went non-finite (the run stopped there) or rose a thousandfold."""
 
     movement: FSLRRecord
     start: FSLRRecord | None
+    diverged: bool
 
 
 def _run(
@@ -154,8 +156,20 @@ def _run(
                     stack.enter_context(controller.step())
             yield
 
-    train(fm, task.train_batches(seed), opt, steps, task.loss_fn, around_step=around)
-    return _Run(movement.record, None if start is None else start.record)
+    losses = train(fm, task.train_batches(seed), opt, steps, task.loss_fn, around_step=around)
+    diverged = not losses or not math.isfinite(losses[-1]) or _rose_a_thousandfold(losses)
+    return _Run(movement.record, None if start is None else start.record, diverged)
+
+
+def _rose_a_thousandfold(losses: Sequence[float]) -> bool:
+    """Whether the loss ended more than 1,000 times its first value above it (a run blown up
+    at too high a rate, before it overflows).
+
+    Examples:
+        >>> _rose_a_thousandfold([1.04, 3e9, 3e10]), _rose_a_thousandfold([1.04, 0.98])
+        (True, False)
+    """
+    return losses[-1] - losses[0] > 1e3 * abs(losses[0])
 
 
 def _movement(record: FSLRRecord) -> dict[str, float]:
@@ -203,7 +217,8 @@ def coord_check(
 
     Returns:
         ``{"scales", "lr", "names", "modes": {mode: {"movement": {name: [m_W per scale]},
-        "drift": {name: max / min}, "flagged": [names]}}, "gains": {hidden tensor: [G_W
+        "drift": {name: max / min}, "flagged": [names], "diverged": [scales whose run's
+        loss went non-finite or rose a thousandfold]}}, "gains": {hidden tensor: [G_W
         per scale]} (None: the probe found no readout), "prediction": the matrix's
         (:func:`~fslr_func.experiments.prediction.predict`), "threshold", "steps", "seed"}``
         (JSON-able; names present at every scale, in the base model's order).
@@ -267,6 +282,8 @@ def coord_check(
             "drift": drift,
             "flagged": [n for n in names if drift[n] > threshold],
         }
+    for mode, data in out.items():
+        data["diverged"] = [s for s in ordered if run(mode, s).diverged]
     result = {
         "scales": ordered,
         "lr": lr,
@@ -321,6 +338,12 @@ def format_check(result: Mapping[str, Any]) -> str:
             f"! drifts by more than {result['threshold']:g}x over the scales: "
             f"{len(data['flagged'])} of {len(result['names'])} tensor(s)"
         )
+        if data.get("diverged"):
+            at = ", ".join(scale_key(s) + "x" for s in data["diverged"])
+            lines.append(
+                f"! diverged at {at} (the loss went non-finite or rose a thousandfold): those "
+                "movements are of a diverged run; check again at a lower --lr"
+            )
     gains = result.get("gains")
     if gains:
         lines += ["", "feature gain G_W of the first update (hidden tensors)"]

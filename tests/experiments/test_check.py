@@ -79,6 +79,16 @@ def _tied_task() -> Task:
     return Task("tied", build, _batches, functools.partial(_batches, probe=True))
 
 
+def test_a_run_that_diverges_is_named_in_the_table() -> None:
+    """At a rate where the runs diverge the table printed movements of 1e13 without a word."""
+    result = coord_check(tiny_task(), (1, 2), 2.0**10, steps=4, warmup_samples=8)
+    assert result["modes"]["standard"]["diverged"] == [1.0, 2.0]
+    assert "! diverged at 1x, 2x" in format_check(result)
+    calm = coord_check(tiny_task(), (1, 2), 0.01, steps=3, warmup_samples=8, modes=("standard",))
+    assert calm["modes"]["standard"]["diverged"] == []
+    assert "diverged" not in format_check(calm)
+
+
 def test_check_without_a_readout_predicts_nothing_and_refuses_the_features_mode() -> None:
     result = coord_check(_tied_task(), (1, 2), 0.01, steps=3, warmup_samples=8)
     assert result["gains"] is None and result["prediction"]["kind"] == "not measured"
