@@ -626,7 +626,8 @@ class FLeRM(StepController):
         :func:`~fslr_func.training.feature_gains.hidden_fan_in`)."""
         prefix = self.fm.name_prefix
         shapes = {n.removeprefix(prefix): tuple(self.targets.params[n].shape) for n in self.names}
-        return hidden_fan_in(shapes, self.base.shapes, self.targets.counterparts(self.names))
+        base = self.targets.base_shapes()
+        return hidden_fan_in(shapes, base, self.targets.counterparts(self.names))
 
     def _warn_if_nothing_hidden(self) -> None:
         """Warn where ``match="features"`` cannot act: the model differs from the base (a
@@ -635,7 +636,7 @@ class FLeRM(StepController):
         the factors are 1 by construction."""
         if self._hidden():
             return
-        prefix, shapes = self.fm.name_prefix, self.base.shapes
+        prefix, shapes = self.fm.name_prefix, self.targets.base_shapes()
         resized = [
             n
             for n in self.names

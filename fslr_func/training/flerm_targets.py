@@ -31,7 +31,6 @@ Examples:
 
 from __future__ import annotations
 
-import re
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -159,7 +158,7 @@ class BaseTargets:
                 "in with_fslr(..., grouping=...) or re-record the base"
             )
         if self.one_to_one:
-            shapes = {self.base_names.get(n, n): s for n, s in base.shapes.items()}
+            shapes = self.base_shapes()
             bad = [
                 f"{n!r}: base {list(shapes[b])} vs scaled {list(self.params[n].shape)}"
                 for n in names
@@ -280,7 +279,16 @@ class BaseTargets:
             ]
         else:
             model = self._mapped(driven)
-        targets = policies.apply(self.policy, moved, model, allow_zero=True)
+        try:
+            targets = policies.apply(self.policy, moved, model, allow_zero=True)
+        except ValueError:
+            # tensors that joined late (gradual unfreezing) of a role the record lacks: held
+            # at their group's rate, as under a one-to-one policy, not an error mid-run
+            late = {bare[n] for n in self.late}
+            if self.one_to_one or not late & set(model):
+                raise
+            model = [b for b in model if b not in late]
+            targets = policies.apply(self.policy, moved, model, allow_zero=True)
         if lacking:
             # held: every tensor that answers to an unknown base tensor (a policy summing
             # blocks, L < B, would add the zero in as a smaller target)
@@ -295,17 +303,23 @@ class BaseTargets:
             )
         return {n: targets[bare[n]] for n in names if bare[n] in targets}
 
+    def base_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The base record's shapes under this model's names (a record made under
+        ``module.`` or a checkpoint wrapper's names reads as this model's)."""
+        return {self.base_names.get(n, n): tuple(s) for n, s in self.base.shapes.items()}
+
     def _mapped(self, driven: set[str]) -> list[str]:
         """The bare names a policy that is not one-to-one maps: the trainable tensors, those
-        driven, and frozen ones of a kind the record has (a name equal to a recorded one but
-        for its numbers, as a block's index): freezing a tensor does not change the
-        architecture, while the frozen weights under adapters, which the record lacks, are
-        no part of the mapping."""
-        recorded = {_kind(b) for b in self.base_names.values()}
+        driven, and frozen ones the record has (trained in the base run, frozen in this one:
+        freezing a tensor does not change the architecture). A tensor frozen in both runs is
+        in neither stack, as the frozen weights under adapters are not: counting it here
+        (a frozen first block, a frozen ``fc2`` beside a trained ``fc1``) would shift the
+        blocks' mapping against the record's."""
+        recorded = set(self.base_names.values())
         return [
             self.bare[n]
             for n, p in self.params.items()
-            if p.requires_grad or n in driven or _kind(self.bare[n]) in recorded
+            if p.requires_grad or n in driven or self.bare[n] in recorded
         ]
 
     def counterparts(self, names: Sequence[str]) -> dict[str, tuple[str, ...]]:
@@ -325,13 +339,3 @@ class BaseTargets:
         recorded = list(self.base_names.values())
         links = policies.counterparts(self.policy, recorded, self._mapped(set(names)))
         return {self.bare[n]: links[self.bare[n]] for n in names if self.bare[n] in links}
-
-
-def _kind(name: str) -> str:
-    """``name`` with its numbers blanked: the tensors of one kind in every block.
-
-    Examples:
-        >>> _kind("blocks.3.lin.bias") == _kind("blocks.0.lin.bias")
-        True
-    """
-    return re.sub(r"\d+", "#", name)

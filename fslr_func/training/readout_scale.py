@@ -45,6 +45,7 @@ from torch import nn
 
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs, as_output_tensor, split_inputs
+from ..probe.names import recorded_names
 from ..probe.readout import ReadoutFinder, readout_module, tied
 from .controller import fslr_module_of
 from .feature_gains import NoReadoutError
@@ -199,7 +200,11 @@ def scale_readout(
             f"the readout weight {name}.weight is tied to another tensor (a head sharing the "
             "embedding's weight): scaling it would scale that tensor too"
         )
-    base_shape = base.shapes.get(f"{name}.weight")
+    # the record's names read as this model's (a record made under DDP's module., a
+    # checkpoint wrapper's or torch.compile's names)
+    as_model = recorded_names(base.shapes, [n for n, _ in fm.module.named_parameters()])
+    shapes = {as_model.get(n, n): s for n, s in base.shapes.items()}
+    base_shape = shapes.get(f"{name}.weight")
     if base_shape is None:
         raise ValueError(
             f"the base record has no shape for the readout weight {name}.weight (shapes "
