@@ -36,6 +36,7 @@ Examples:
 
 from __future__ import annotations
 
+import copy
 import json
 import numbers
 import os
@@ -239,7 +240,8 @@ class FSLRRecord(Lookups):
     # ------------------------------------------------------------------ (de)serialisation
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON document :meth:`save` writes (``format`` and ``version`` first)."""
+        """The JSON document :meth:`save` writes (``format`` and ``version`` first): a copy,
+        whose edits leave the record as it is."""
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -247,7 +249,7 @@ class FSLRRecord(Lookups):
             "fslr": {k: list(v) for k, v in self.fslr.items()},
             "lrs": {k: list(v) for k, v in self.lrs.items()},
             "sched": list(self.sched),
-            "meta": self.meta,
+            "meta": copy.deepcopy(self.meta),
         }
 
     @classmethod

@@ -663,3 +663,12 @@ def test_the_mean_of_runs_that_ended_apart_warns() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert FSLRRecord.mean([long, same]).fslr["w"] == [1.5, 2.0, 2.5, 3.0]
+
+
+def test_to_dict_is_a_copy_whose_edits_leave_the_record_alone() -> None:
+    rec = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"seed": 0, "mine": {"a": [1]}})
+    data = rec.to_dict()
+    data["meta"]["seed"] = 9
+    data["meta"]["mine"]["a"].append(2)
+    data["fslr"]["w"][0] = 5.0
+    assert rec.meta["seed"] == 0 and rec.meta["mine"] == {"a": [1]} and rec.fslr["w"] == [1.0]
