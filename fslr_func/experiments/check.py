@@ -162,14 +162,14 @@ def _run(
 
 
 def _rose_a_thousandfold(losses: Sequence[float]) -> bool:
-    """Whether the loss ended more than 1,000 times its first value above it (a run blown up
-    at too high a rate, before it overflows).
+    """Whether the loss ended more than 1,000 times its first value (at least 0.001) above it
+    (a run blown up at too high a rate, before it overflows).
 
     Examples:
         >>> _rose_a_thousandfold([1.04, 3e9, 3e10]), _rose_a_thousandfold([1.04, 0.98])
         (True, False)
     """
-    return losses[-1] - losses[0] > 1e3 * abs(losses[0])
+    return losses[-1] - losses[0] > 1e3 * max(abs(losses[0]), 1e-3)  # a loss near 0 or below
 
 
 def _movement(record: FSLRRecord) -> dict[str, float]:

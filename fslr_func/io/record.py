@@ -36,7 +36,6 @@ Examples:
 
 from __future__ import annotations
 
-import copy
 import json
 import numbers
 import os
@@ -51,7 +50,7 @@ from .atomic import atomic_write_text
 from .record_lookup import Fallback, Lookups
 from .record_mean import seed_mean
 from .record_meta import META_KEYS, default_meta, grouping_meta, library_version, optimizer_meta
-from .record_schema import FORMAT, UNKNOWN, VERSION
+from .record_schema import FORMAT, UNKNOWN, VERSION, plain
 from .record_tables import csv_text, data_frame, table_rows
 
 __all__ = [
@@ -249,7 +248,7 @@ class FSLRRecord(Lookups):
             "fslr": {k: list(v) for k, v in self.fslr.items()},
             "lrs": {k: list(v) for k, v in self.lrs.items()},
             "sched": list(self.sched),
-            "meta": copy.deepcopy(self.meta),
+            "meta": plain(self.meta),  # a NumPy number set after construction too
         }
 
     @classmethod

@@ -112,11 +112,15 @@ def _seed_count(record: Series) -> int:
 
 
 def _warn_if_runs_ended_apart(records: Sequence[Series]) -> None:
-    """Warn where the seeds' runs lasted different numbers of steps (their Recorders' per-step
-    schedules differ in length): past a short run's end, the mean holds its last row, which
-    a diverged, killed or shorter seed did not measure there."""
+    """Warn where a seed has rows at steps another seed's run never took (their Recorders'
+    per-step schedules tell how long each ran): past a short run's end, the mean holds its
+    last row, which a diverged, killed or shorter seed did not measure there."""
     lengths = [len(p) for r in records if isinstance(p := r.meta.get("sched_per_step"), list)]
-    if len(lengths) == len(records) and min(lengths) != max(lengths):
+    if len(lengths) < len(records):
+        return
+    # a row at a step the shortest run never took (a GradScaler's skipped steps only shorten
+    # a run by a few steps, with its rows where the others' are)
+    if any(step >= min(lengths) for r in records for step in r.steps):
         warnings.warn(
             f"FSLRRecord.mean: the seeds' runs lasted {sorted(set(lengths))} steps; past a "
             "shorter run's end its last row stands in for the steps it did not measure: re-run "

@@ -63,6 +63,7 @@ __all__ = [
     "check_steps",
     "check_value",
     "parse_json",
+    "plain",
 ]
 
 FORMAT = "fslr_func.FSLRRecord"
@@ -353,18 +354,18 @@ def check_meta(meta: object) -> dict[str, Any]:
             raise ValueError(f"meta[{key!r}] is {value!r}: it must be {what}; {_FIX}")
     # plain Python values: a NumPy number passes the checks but not json.dumps or
     # torch.load(weights_only=True); sched_per_step's ratios are floats, an int among them too
-    out = {k: _plain(v) for k, v in out.items()}
+    out = {k: plain(v) for k, v in out.items()}
     if "sched_per_step" in out:
         out["sched_per_step"] = [float(r) for r in out["sched_per_step"]]
     return out
 
 
-def _plain(v: Any) -> Any:
+def plain(v: Any) -> Any:
     """``v`` with NumPy (or any ``numbers``) ints and floats as Python's, tuples as lists.
 
     Examples:
         >>> from fractions import Fraction  # a numbers.Real, as NumPy's floats are
-        >>> _plain({"seed": (3,), "lr": Fraction(1, 2), "on": True})
+        >>> plain({"seed": (3,), "lr": Fraction(1, 2), "on": True})
         {'seed': [3], 'lr': 0.5, 'on': True}
     """
     if isinstance(v, bool) or v is None or isinstance(v, str):
@@ -374,9 +375,9 @@ def _plain(v: Any) -> Any:
     if isinstance(v, numbers.Real):
         return float(v)
     if isinstance(v, Mapping):
-        return {k: _plain(x) for k, x in v.items()}
+        return {k: plain(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_plain(x) for x in v]
+        return [plain(x) for x in v]
     return v
 
 

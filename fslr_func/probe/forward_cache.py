@@ -70,8 +70,10 @@ class KnownForward:
     splittable: bool = True
 
 
-KNOWN_PER_MODEL = 8
-"""Signatures remembered per model; the oldest is forgotten first (varying sequence lengths)."""
+KNOWN_PER_MODEL = 64
+"""Signatures remembered per model, the least recently used forgotten first: probe batches of
+varying sequence lengths (dynamic padding) each have one, and a miss re-runs the checks (1.5x
+a probe; with 8, nine lengths in turn missed every time)."""
 
 _known: weakref.WeakKeyDictionary[nn.Module, dict[Hashable, KnownForward]] = (
     weakref.WeakKeyDictionary()
@@ -163,7 +165,13 @@ def probe_signature(
 
 def known(model: nn.Module, signature: Hashable | None) -> KnownForward | None:
     """What an earlier probe of ``model`` with ``signature`` found, or ``None``."""
-    return None if signature is None else _known.get(model, {}).get(signature)
+    if signature is None:
+        return None
+    entries = _known.get(model)
+    if entries is None or signature not in entries:
+        return None
+    entries[signature] = entries.pop(signature)  # the most recently used, forgotten last
+    return entries[signature]
 
 
 def remember(model: nn.Module, signature: Hashable | None, found: KnownForward) -> None:

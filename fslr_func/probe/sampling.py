@@ -659,6 +659,6 @@ def estimate(
         model, inputs, delta, generator=generator, params=params, reduction=reduction, **options
     )
     fslr = result.fslr(estimator)
-    if not all(bool(torch.isfinite(v)) for v in fslr.values()):
+    if fslr and not bool(torch.stack(list(fslr.values())).isfinite().all()):  # one host read
         infinite_input_error(fslr, check_inputs(inputs))  # an Inf input reached a gradient
     return fslr

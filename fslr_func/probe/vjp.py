@@ -311,15 +311,16 @@ def prepare_vjp(
     (:mod:`fslr_func.probe.forward_cache`), what it found is reused: names, shapes and
     connectivity are not checked again, the readout is not searched for, and ``"auto"`` and
     ``"timed"`` take the path that ran then (plain autograd at once where torch.func
-    failed). The checks of the values (NaN or Inf in ``delta``, the inputs and the output,
-    with ``strict``) run on every call. Such a probe on the vmap or plain-autograd path, for
+    failed). The checks of the values (NaN or Inf in ``delta`` and the output, NaN in the
+    inputs, with ``strict``) run on every call. Such a probe on the vmap or plain-autograd path, for
     which ``split`` says yes of the output's size, dtype and device, splits its backward at a
     linear readout (:mod:`fslr_func.probe.split_head`).
 
     Raises:
         ValueError: bad names or shapes (:func:`~fslr_func.probe.functional.evaluation_point`); a
-            zero-size input or output; probed tensors cut out of the graph; with ``strict``,
-            NaN or Inf in ``delta``, the inputs or the output.
+            batch whose every input tensor is empty, or a zero-size output; probed tensors cut
+            out of the graph; with ``strict``, NaN or Inf in ``delta`` or the output, NaN in
+            the inputs.
     """
     signature = probe_signature(model, inputs, delta, params, options)
     cached = known(model, signature)

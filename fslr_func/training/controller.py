@@ -258,6 +258,12 @@ def fslr_module_of(fm: object) -> FSLRModule:
     return inner
 
 
+KEEP_BUFFERS_WITHIN = 50
+"""Probe intervals (steps) below which the wrapper keeps its buffers from probe to probe
+(allocating them again costs page faults, a few ms on the benchmark ResMLP); at longer
+intervals, or none after the warm-up, they are freed after each probe."""
+
+
 class StepController:
     """Runs the probe schedule around one optimiser step at a time; see the module docstring.
 
@@ -463,6 +469,8 @@ class StepController:
                 self._owed = 0
                 self._stalled_since, self._stall_steps, self._stall_noted = None, 0, False
                 self._measured(m)
+                if self.plan.every is None or self.plan.every >= KEEP_BUFFERS_WITHIN:
+                    self.fm.release_buffers()  # two copies of the weights, not needed soon
             elif n:
                 # the next step measured is probed on these batches, with these omegas
                 self._feed.give_back(batches)

@@ -289,6 +289,11 @@ class BaseTargets:
                 raise
             model = [b for b in model if b not in late]
             targets = policies.apply(self.policy, moved, model, allow_zero=True)
+            note(
+                [n for n in names if bare[n] in late and bare[n] not in targets],
+                f"FLeRM step {step}: {{}} joined after FLeRM was built, and the base record "
+                "has no tensor of their role: they keep their group's learning rate",
+            )
         if lacking:
             # held: every tensor that answers to an unknown base tensor (a policy summing
             # blocks, L < B, would add the zero in as a smaller target)
@@ -310,16 +315,20 @@ class BaseTargets:
 
     def _mapped(self, driven: set[str]) -> list[str]:
         """The bare names a policy that is not one-to-one maps: the trainable tensors, those
-        driven, and frozen ones the record has (trained in the base run, frozen in this one:
-        freezing a tensor does not change the architecture). A tensor frozen in both runs is
-        in neither stack, as the frozen weights under adapters are not: counting it here
+        driven, and, in a model of the base's tensors (every trainable name recorded: the
+        same depth), the frozen ones the record has (trained in the base run, frozen in this
+        one: freezing a tensor does not change the architecture). A tensor frozen in both
+        runs is in neither stack, as the frozen weights under adapters are not: counting it
         (a frozen first block, a frozen ``fc2`` beside a trained ``fc1``) would shift the
-        blocks' mapping against the record's."""
+        blocks' mapping against the record's. In a deeper or shallower model names do not
+        tell which blocks correspond, so the trainable stacks are mapped onto each other."""
         recorded = set(self.base_names.values())
+        trainable = {n for n, p in self.params.items() if p.requires_grad or n in driven}
+        same = all(self.bare[n] in recorded for n in trainable)
         return [
             self.bare[n]
-            for n, p in self.params.items()
-            if p.requires_grad or n in driven or self.bare[n] in recorded
+            for n in self.params
+            if n in trainable or (same and self.bare[n] in recorded)
         ]
 
     def counterparts(self, names: Sequence[str]) -> dict[str, tuple[str, ...]]:

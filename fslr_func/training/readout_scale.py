@@ -202,7 +202,8 @@ def scale_readout(
         )
     # the record's names read as this model's (a record made under DDP's module., a
     # checkpoint wrapper's or torch.compile's names)
-    as_model = recorded_names(base.shapes, [n for n, _ in fm.module.named_parameters()])
+    bare = [n.removeprefix(fm.name_prefix) for n, _ in fm.module.named_parameters()]
+    as_model = recorded_names(base.shapes, bare)
     shapes = {as_model.get(n, n): s for n, s in base.shapes.items()}
     base_shape = shapes.get(f"{name}.weight")
     if base_shape is None:

@@ -83,6 +83,8 @@ _DELEGATING = (
     ("accelerate", "AcceleratedOptimizer"),
     ("lightning", "LightningOptimizer"),
     ("pytorch_lightning", "LightningOptimizer"),
+    ("lightning", "_FabricOptimizer"),
+    ("lightning_fabric", "_FabricOptimizer"),
 )
 
 
@@ -122,7 +124,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
 def stepping_wrapper(optimizer: Any) -> str | None:
     """The class name of a wrapper around ``optimizer``'s inner optimiser whose step may do
     more than that optimiser's step (Lookahead's slow weights, SAM's perturbation), or None
-    (no wrapper, or only ``accelerate``'s and Lightning's, which just delegate).
+    (no wrapper, or only ``accelerate``'s, Lightning's and Fabric's, which just delegate).
 
     Examples:
         >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
@@ -133,9 +135,14 @@ def stepping_wrapper(optimizer: Any) -> str | None:
     """
     seen = {id(optimizer)}
     while (inner := _inner(optimizer)) is not None and id(inner) not in seen:
-        cls = type(optimizer)
-        if not any(cls.__module__.startswith(m) and cls.__name__ == c for m, c in _DELEGATING):
-            return cls.__name__
+        # Lightning and Fabric give each wrapper a class of its own (LightningAdam,
+        # FabricAdam) derived from theirs: the classes it derives from tell
+        if not any(
+            cls.__module__.startswith(m) and cls.__name__ == c
+            for cls in type(optimizer).__mro__
+            for m, c in _DELEGATING
+        ):
+            return type(optimizer).__name__
         seen.add(id(inner))
         optimizer = inner
     return None

@@ -118,7 +118,7 @@ def check_scalable(optimizer: torch.optim.Optimizer) -> None:
         )
     adafactor = any(c.__name__ == "Adafactor" for c in type(optimizer).__mro__)
     for i, group in enumerate(optimizer.param_groups):
-        if adafactor and group.get("beta1") is not None:
+        if adafactor and group.get("beta1"):  # None or 0: no first moment
             # transformers' Adafactor averages the update after multiplying it by the rate
             raise ValueError(
                 f"FLeRM cannot drive {name} with param group {i}'s beta1={group['beta1']!r}: "

@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +32,14 @@ import torch
 from torch import Tensor, nn
 
 from ..probe import forward_cache
-from ..probe.functional import Inputs, check_not_meta, check_not_scripted, check_single_process
+from ..probe.functional import (
+    Inputs,
+    check_inputs,
+    check_not_meta,
+    check_not_scripted,
+    check_single_process,
+    infinite_input_error,
+)
 from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
 from ..probe.readout import readout_module
@@ -174,7 +182,7 @@ class FSLRModule(nn.Module):
         self.readout_roles: dict[str, ReadoutRole] = {}
         self._measuring = False
         self._snapshots = Snapshots()  # the weights before a measured step, reused
-        self._updates = Snapshots()  # its unit-rate updates, reused
+        self._updates = Snapshots()  # its unit-rate updates, reused (release_buffers)
         self._strict_load = True
         self.probes = 0
         self.reported = DropReports()  # drops already warned about
@@ -272,8 +280,9 @@ class FSLRModule(nn.Module):
             params: the weights to probe at (e.g. before the step); default: current ones.
             step: the label the warnings give a dropped probe (default: the number of probe
                 batches folded in before it, :attr:`probes`).
-            strict: refuse NaN or Inf in ``delta``, the inputs and the output with an error
-                instead (this reads them on the host).
+            strict: refuse NaN or Inf in ``delta`` and the output, NaN in the inputs, and an
+                infinite input that reaches a gradient, with an error instead (this reads them
+                on the host).
             changed: name -> 0-d bool on the device; a tensor marked ``False`` (the step did
                 not change it) keeps its EMA. Default: every tensor is folded in.
 
@@ -293,6 +302,11 @@ class FSLRModule(nn.Module):
                 reduction=self.reduction,
                 strict=strict,
             )
+            if strict and (nan := [n for n, v in result.log_stats.items() if v.isnan().any()]):
+                # an Inf input reaching a gradient; named rather than left out
+                infinite_input_error(
+                    dict.fromkeys(nan, torch.tensor(math.nan)), check_inputs(batch)
+                )
             self.resolved_strategy = result.strategy
             self.readout_roles.update(result.readout)
             means = mean_valid_log_stats_all(result.log_stats)
@@ -308,14 +322,28 @@ class FSLRModule(nn.Module):
     ) -> dict[str, Tensor]:
         """Probe ``delta`` on ``inputs``, fold the result into the EMAs and read them.
 
-        :meth:`fold` (refusing NaN or Inf in ``delta``, the inputs and the output) followed by
-        :meth:`fslr`.
+        :meth:`fold` (refusing NaN or Inf in ``delta`` and the output, NaN in the inputs, an
+        infinite input that reaches a gradient) followed by :meth:`fslr`.
 
         Returns:
             The current FSLR estimates (name -> float64 scalar).
         """
         self.fold(inputs, delta, params=params, strict=True)
         return self.fslr()
+
+    def release_buffers(self) -> None:
+        """Free the buffers a measured step keeps for the next one: the weights before the
+        step and its updates, two copies of the trainable weights. A Recorder or FLeRM calls
+        it after a probe when none is due within 50 steps (a static set point, a long
+        ``every``); the next measured step allocates them again.
+
+        Examples:
+            >>> import torch, fslr_func as ff
+            >>> fm = ff.with_fslr(torch.nn.Linear(3, 2), samples=2, seed=0)
+            >>> fm.release_buffers()
+        """
+        self._snapshots = Snapshots()
+        self._updates = Snapshots()
 
     @contextlib.contextmanager
     def measure(

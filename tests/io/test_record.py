@@ -672,3 +672,23 @@ def test_to_dict_is_a_copy_whose_edits_leave_the_record_alone() -> None:
     data["meta"]["mine"]["a"].append(2)
     data["fslr"]["w"][0] = 5.0
     assert rec.meta["seed"] == 0 and rec.meta["mine"] == {"a": [1]} and rec.fslr["w"] == [1.0]
+
+
+def test_the_mean_of_seeds_a_scaler_shortened_by_a_few_steps_is_quiet() -> None:
+    """A ``GradScaler``'s skipped steps do not advance a run: a seed with more skips has a
+    shorter per-step schedule, but its rows are where the others' are."""
+    one = FSLRRecord(steps=[0, 2, 4], fslr={"w": [1.0, 2.0, 3.0]},
+                     meta={"seed": 0, "sched_per_step": [1.0] * 6, **PLAN})  # fmt: skip
+    other = FSLRRecord(steps=[0, 2, 4], fslr={"w": [1.0, 2.0, 3.0]},
+                       meta={"seed": 1, "sched_per_step": [1.0] * 5, **PLAN})  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        FSLRRecord.mean([one, other])
+
+
+def test_numpy_numbers_set_in_meta_after_construction_save() -> None:
+    np = pytest.importorskip("numpy")
+    rec = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"seed": 0})
+    rec.meta["seed"] = np.int64(4)
+    rec.meta["mine"] = {"ratio": np.float32(0.5)}
+    assert json.loads(json.dumps(rec.to_dict()))["meta"]["seed"] == 4

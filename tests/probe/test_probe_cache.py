@@ -206,6 +206,23 @@ def test_at_most_a_few_signatures_are_kept_per_model():
     assert model not in forward_cache._known
 
 
+def test_the_least_recently_used_signature_is_forgotten_first(
+    checks: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batches of varying lengths each have a signature; one probed again and again (the
+    common length) stays known while others come and go."""
+    monkeypatch.setattr(forward_cache, "KNOWN_PER_MODEL", 3)
+    model = MLP()
+    delta = random_delta(model)
+    for batch in (1, 2, 3, 1, 4):  # 1 used again before 4 arrives: 2 is forgotten, not 1
+        estimate(model, torch.randn(batch, 5), delta)
+    before = len(checks)
+    estimate(model, torch.randn(1, 5), delta)
+    assert len(checks) == before  # known
+    estimate(model, torch.randn(2, 5), delta)
+    assert len(checks) == before + 1  # forgotten
+
+
 class NonReentrant(nn.Module):
     """Activation checkpointing torch.func cannot trace (saved-tensor hooks): plain autograd."""
 

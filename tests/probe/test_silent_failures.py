@@ -650,3 +650,20 @@ def test_params_of_another_floating_dtype_are_cast_and_integers_refused(func: st
     assert got == want
     with pytest.raises(ValueError, match=r"floating tensors; got '0.weight' \(torch.int64\)"):
         run(dict(master, **{"0.weight": master["0.weight"].long()}))
+
+
+def test_observe_names_an_infinite_input_that_reaches_a_gradient_and_takes_a_mask() -> None:
+    """``fm.observe`` (strict) refused every Inf input before; with masks allowed it must not
+    drop a tensor whose statistics an Inf input made NaN with only a warning."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3))
+    fm = ff.with_fslr(model, samples=4, seed=0)
+    x = torch.randn(6, 4)
+    x[2, 1] = math.inf
+    with pytest.raises(ValueError, match=r"\['0.weight'\] are not finite.*Inf entries in \['posi"):
+        fm.observe(x, updates(model))
+    masked = ff.with_fslr(MaskedAttention().eval(), samples=4, seed=0)
+    mask = nn.Transformer.generate_square_subsequent_mask(5)
+    inputs = {"x": torch.randn(3, 5, 8), "mask": mask, "memory": torch.zeros(3, 0, 8)}
+    got = masked.observe(inputs, updates(masked.module))
+    assert all(bool(torch.isfinite(v)) for v in got.values())

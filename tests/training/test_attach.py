@@ -478,3 +478,20 @@ def test_an_attached_flerm_runs_under_a_compiled_optimiser_step() -> None:
     assert t0 == t1 == 3 and lrs0.keys() == lrs1.keys()
     assert all(lrs1[n] == pytest.approx(v, rel=1e-6) for n, v in lrs0.items())
     assert all(torch.allclose(a, b, rtol=1e-6, atol=1e-9) for a, b in zip(w0, w1, strict=True))
+
+
+@pytest.mark.parametrize("every", [None, 50, 2])
+def test_the_wrappers_buffers_are_freed_when_no_probe_is_due_soon(every: int | None) -> None:
+    """The weights before a measured step and its updates, two copies of the trainable
+    weights, were kept for the rest of the run after a probe at step 0 only."""
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=every)
+    with rec.attach():
+        for t in range(3):
+            opt.zero_grad()
+            backward(fm, t)
+            opt.step()
+    kept = len(fm._snapshots._buffers) + len(fm._updates._buffers)
+    assert rec.record.steps[0] == 0
+    assert kept == (8 if every == 2 else 0)  # 4 tensors, two buffers each

@@ -162,3 +162,21 @@ def test_feature_matching_and_the_readout_scale_read_a_record_in_another_wrapper
             wide_opt.step()
         factors.append(flerm.feature_factors)
     assert factors[0] and factors[0] == factors[1]
+
+
+def test_in_a_deeper_model_the_trainable_stacks_are_mapped_whichever_block_is_frozen() -> None:
+    """Base: 2 blocks, all trained; scaled: 4, one frozen in the scaled run only. By name
+    alone a frozen ``blocks.1`` (recorded) stayed in the stack and ``blocks.3`` (not) left
+    it: the other blocks' targets depended on which one was frozen."""
+    base = run(lambda n: False).record
+    stacks = []
+    for frozen in ("blocks.1.", "blocks.3."):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flerm = run(lambda n, f=frozen: n.startswith(f), 4, base, "share_blocks")  # type: ignore[misc]
+        assert isinstance(flerm, FLeRM)
+        targets = flerm.history[0].targets
+        stacks.append(
+            [targets[f"blocks.{i}.fc1.weight"] for i in range(4) if f"blocks.{i}." != frozen]
+        )
+    assert stacks[0] == pytest.approx(stacks[1], rel=1e-9)

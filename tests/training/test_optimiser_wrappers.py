@@ -189,3 +189,30 @@ def test_accelerates_and_lightnings_wrappers_still_work_in_a_with_block() -> Non
         with rec.step():
             opt.step()
     assert rec.record.steps == [0, 2]
+
+
+def test_lightnings_and_fabrics_own_wrapper_classes_keep_the_with_form() -> None:
+    """Lightning and Fabric give each wrapper a class of its own (``LightningAdam``,
+    ``FabricAdam``), which read as stepping wrappers and were refused in a ``with`` block."""
+    lightning = pytest.importorskip("lightning")
+    from lightning.fabric.wrappers import _FabricOptimizer
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    class Strategy:  # what the wrappers' step delegates to
+        def optimizer_step(self, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            return optimizer.step(*args, **kwargs)
+
+    assert lightning is not None
+    for wrap in (LightningOptimizer, lambda o: _FabricOptimizer(o, Strategy())):
+        fm = model()
+        opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+        wrapped = wrap(opt)
+        wrapped._strategy = Strategy()
+        assert type(wrapped).__name__ in ("LightningAdam", "FabricAdam")
+        rec = Recorder(fm, stream(), optimizer=wrapped, warmup_samples=8, every=2)
+        for t in range(3):
+            opt.zero_grad()
+            backward(fm, t)
+            with rec.step():
+                opt.step()
+        assert rec.record.steps == [0, 2]

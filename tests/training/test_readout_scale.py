@@ -206,3 +206,11 @@ def test_a_checkpoint_carries_the_scale_so_a_resume_cannot_scale_twice(tmp_path)
     torch.save(unscaled.state_dict(), tmp_path / "plain.pt")
     in_order.load_state_dict(torch.load(tmp_path / "plain.pt"))
     assert ff.scale_readout(in_order, base, X) == pytest.approx(0.5)
+
+
+def test_a_compiled_model_reads_a_plain_records_readout_shape() -> None:
+    """``scale_readout`` of a ``torch.compile``d model read the record's names as the
+    compiled module's (``_orig_mod.1.weight``) and found no readout shape."""
+    net = torch.nn.Sequential(torch.nn.Linear(4, 64), torch.nn.Linear(64, 2))
+    base = ff.FSLRRecord(meta={"shapes": {"1.weight": [2, 16]}})
+    assert ff.scale_readout(ff.with_fslr(torch.compile(net), readout="1"), base) == 0.5
