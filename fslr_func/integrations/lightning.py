@@ -27,6 +27,7 @@ Examples:
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -54,6 +55,26 @@ class _ProbeBatches:
             yield move_data_to_device(batch, self.trainer.strategy.root_device)
 
 
+def _batch_size(loader: Any) -> int:
+    """The training loader's batch size, for probe rows batched like its batches: its
+    ``batch_size``, else its ``batch_sampler``'s (a bucketing sampler); where it says none,
+    the size of the loader's first batch would be a guess, so rows are batched one at a
+    time, with a warning."""
+    size = getattr(loader, "batch_size", None) or getattr(
+        getattr(loader, "batch_sampler", None), "batch_size", None
+    )
+    if isinstance(size, int) and size > 0:
+        return size
+    warnings.warn(
+        "the training DataLoader has no batch_size (a batch_sampler without one): probe rows "
+        "are batched one at a time; pass probe_dataset as a DataLoader with the batch size "
+        "to probe",
+        RuntimeWarning,
+        stacklevel=3,
+    )
+    return 1
+
+
 class _Callback(pl.Callback):
     """Lightning's hooks over the session (the constructors: :mod:`.session`)."""
 
@@ -63,8 +84,7 @@ class _Callback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         probes = self.probe_dataset
         if not isinstance(probes, DataLoader):
-            batch_size = getattr(trainer.train_dataloader, "batch_size", None) or 1
-            probes = DataLoader(probes, batch_size=batch_size)  # type: ignore[arg-type]
+            probes = DataLoader(probes, batch_size=_batch_size(trainer.train_dataloader))  # type: ignore[arg-type]
         optimizers = trainer.optimizers
         configs = trainer.lr_scheduler_configs
         scheduler = configs[0].scheduler if configs else None

@@ -24,9 +24,12 @@ Examples:
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import os
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from difflib import get_close_matches
 from typing import Any
 
 import torch
@@ -34,14 +37,17 @@ from torch import nn
 
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
+from ..probe.options import ProbeOptions
+from ..training import policies
 from ..training.flerm import FLeRM
-from ..training.probe_schedule import length_of
+from ..training.probe_schedule import ProbePlan, length_of
 from ..training.recorder import Recorder
 from ..training.step_hooks import StepHooks
 from ..training.wrap import with_fslr
 from ..training.wrapper import FSLRModule
 
 __all__ = [
+    "FLERM_STATE_FILE",
     "RECORD_FILE",
     "STATE_FILE",
     "DrivingCallback",
@@ -54,7 +60,13 @@ RECORD_FILE = "fslr_record.json"
 """Name of the base record a recording callback writes into the trainer's output folder."""
 
 STATE_FILE = "fslr_state.pt"
-"""Name of the callback's state file in a Hugging Face checkpoint folder."""
+"""Name of a recording callback's state file in a Hugging Face checkpoint folder (a driving
+callback's in earlier versions, which a resume still reads)."""
+
+FLERM_STATE_FILE = "flerm_state.pt"
+"""Name of a driving callback's state file in a Hugging Face checkpoint folder: its own, so
+that a Trainer with both callbacks (FLeRM driving, a Recorder recording the scaled run)
+saves and resumes both."""
 
 _RESERVED = ("fm", "probe_batches", "optimizer", "scheduler", "log_fn")
 
@@ -70,6 +82,27 @@ def load_base(base: FSLRRecord | str | os.PathLike[str]) -> FSLRRecord:
     if isinstance(base, (str, os.PathLike)):
         return FSLRRecord.load(base)
     raise TypeError(f"base must be an FSLRRecord or a path to one, got {type(base).__name__}")
+
+
+def _check_names(options: Mapping[str, Any], target: Any, what: str) -> None:
+    """Refuse option names that ``target`` (a controller class, or :func:`with_fslr` with the
+    probe's options) does not take, with the close matches: a typo otherwise surfaced only
+    when training started."""
+    known = set(inspect.signature(target).parameters) - {"self", "options", "model", "fm"}
+    known -= {"base", "probe_batches", *_RESERVED}  # the callback's own
+    if target is with_fslr:
+        known |= {f.name for f in dataclasses.fields(ProbeOptions)}
+    unknown = [k for k in options if k not in known]
+    if unknown:
+        hints = [
+            f"{k!r}"
+            + (f" (did you mean {close}?)" if (close := get_close_matches(k, known)) else "")
+            for k in unknown
+        ]
+        raise TypeError(
+            f"the callback's {what} has {', '.join(hints)}, which "
+            f"{getattr(target, '__name__', target)} does not take; it takes {sorted(known)}"
+        )
 
 
 class Session:
@@ -103,6 +136,21 @@ class Session:
             raise ValueError(
                 f"the callback sets {taken} itself from the trainer: leave them out of its options"
             )
+        _check_names(self.options, Recorder if self.base is None else FLeRM, "options")
+        _check_names(self.fslr_options, with_fslr, "fslr_options")
+        every = self.options.get("every", 100)
+        if self.base is not None:
+            mode = self.options.get("mode", "static")
+            if mode not in ("static", "periodic"):
+                raise ValueError(f"mode must be 'static' or 'periodic', got {mode!r}")
+            policies.resolve(self.options.get("policy", "identity"))
+            every = every if mode == "periodic" else None  # static: its set point only
+        ProbePlan.of(  # the ranges, now rather than when training starts
+            self.options.get("warmup_samples", 40),
+            self.fslr_options.get("samples", 8),
+            every,
+            self.options.get("start_step", 0),
+        )
         self.fm: FSLRModule | None = None
         self.controller: Recorder | FLeRM | None = None
         self._hooks: StepHooks | None = None
@@ -204,6 +252,16 @@ class _SessionCallback:
         fslr_options: Mapping[str, Any] | None,
         options: Mapping[str, Any],
     ) -> None:
+        if not isinstance(probe_dataset, Iterable) or isinstance(probe_dataset, Iterator):
+            given = (
+                "a one-shot iterator"
+                if isinstance(probe_dataset, Iterator)
+                else type(probe_dataset).__name__
+            )
+            raise TypeError(
+                "probe_dataset must be held-out model inputs the callback can go through again "
+                f"and again: a dataset, a list or a DataLoader, not {given}"
+            )
         if length_of(probe_dataset) == 0:
             raise ValueError(
                 "probe_dataset is empty: pass held-out model inputs (examples like the "

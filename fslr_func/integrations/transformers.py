@@ -43,7 +43,7 @@ from transformers.integrations.integration_utils import INTEGRATION_TO_CALLBACK
 from transformers.trainer import TRAINER_STATE_NAME
 
 from ..io.atomic import atomic_write_bytes
-from .session import STATE_FILE, DrivingCallback, RecordingCallback, Session
+from .session import FLERM_STATE_FILE, STATE_FILE, DrivingCallback, RecordingCallback, Session
 
 if TYPE_CHECKING:
     from transformers import Trainer
@@ -172,6 +172,7 @@ class _Callback(TrainerCallback):
     """The Trainer's hooks over the session (the constructors: :mod:`.session`)."""
 
     default_fslr_options: ClassVar[Mapping[str, Any]] = {"output_fn": logits}
+    state_file: ClassVar[str] = STATE_FILE  # in every checkpoint-<step> folder
     before_reporters = False
     probe_dataset: Iterable[Any]
     session: Session
@@ -220,8 +221,13 @@ class _Callback(TrainerCallback):
         path given to ``resume_from_checkpoint``, so the folder's ``trainer_state.json`` must
         hold the resumed ``state``'s log history (another run's checkpoint of the same step
         would otherwise lend its FSLR state)."""
-        path = os.path.join(folder, STATE_FILE)
-        why = f"{folder!r} has no {STATE_FILE}"
+        # a driving callback's state, which earlier versions saved under the recording one's name
+        named = [self.state_file] + ([STATE_FILE] if self.state_file != STATE_FILE else [])
+        path = next(
+            (p for n in named if os.path.isfile(p := os.path.join(folder, n))),
+            os.path.join(folder, self.state_file),
+        )
+        why = f"{folder!r} has no {self.state_file}"
         if os.path.isfile(path):
             saved = os.path.join(folder, TRAINER_STATE_NAME)
             ours = os.path.isfile(saved) and (
@@ -248,7 +254,7 @@ class _Callback(TrainerCallback):
         if os.path.isdir(folder):
             buffer = io.BytesIO()  # serialised first: a failed save leaves the old file whole
             torch.save(self.session.state_dict(), buffer)
-            atomic_write_bytes(os.path.join(folder, STATE_FILE), buffer.getvalue())
+            atomic_write_bytes(os.path.join(folder, self.state_file), buffer.getvalue())
 
     def on_log(
         self,
@@ -302,6 +308,9 @@ class FSLRCallback(RecordingCallback, _Callback):
 class FLeRMCallback(DrivingCallback, _Callback):
     """Sets the Trainer's per-tensor learning rates with FLeRM from a base record.
 
+    Its state goes into each checkpoint folder as ``flerm_state.pt`` (``fslr_state.pt`` in
+    earlier versions, still read), beside an :class:`FSLRCallback`'s ``fslr_state.pt``.
+
     The Trainer's scheduler (warm-up from 0 included) multiplies the matched rates; FLeRM's set
     point waits for the first step with a non-zero rate.
 
@@ -314,3 +323,5 @@ class FLeRMCallback(DrivingCallback, _Callback):
         **flerm_options: options of :class:`fslr_func.FLeRM` (``policy``, ``mode``,
             ``every``, ``warmup_samples``, ``start_step``, ``min_fslr``).
     """
+
+    state_file: ClassVar[str] = FLERM_STATE_FILE

@@ -52,8 +52,8 @@ def with_fslr(
             FSDP2's ``fully_shard`` (DTensor parameters; docs/distributed.md).
         estimator: ``"kron"`` (default), ``"full"`` or ``"iid"``.
         beta: EMA decay across probes (bias-corrected).
-        seed: seeds the omega generator; ``None`` draws it from torch's global RNG (rank 0's
-            when distributed).
+        seed: seeds the omega generator; ``None`` takes it from torch's global RNG (rank 0's
+            when distributed) without advancing it: the run's own draws are as without it.
         distributed: all-reduce the probe over the ranks of ``group`` so every rank gets the
             estimates of the global batch (:mod:`fslr_func.distributed`); ``None``: exactly
             when ``model`` is a ``DistributedDataParallel`` module (always unwrapped) or has

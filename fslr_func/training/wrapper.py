@@ -130,7 +130,8 @@ class FSLRModule(nn.Module):
         estimator: ``"kron"``, ``"full"`` or ``"iid"``.
         beta: EMA decay across probes (bias-corrected).
         seed: seeds the omega generators (one per device, each drawing omega where the
-            model's output lives); ``None`` draws it from torch's global RNG.
+            model's output lives); ``None`` takes it from torch's global RNG without
+            advancing it (the run's own draws, dropout masks, are as without the wrapper).
         reduction: how a probe spans several processes
             (:class:`~fslr_func.probe.sampling.GradientReduction`); ``None``: this process only.
         **options: the probe's options (:class:`~fslr_func.probe.options.ProbeOptions`).
@@ -186,8 +187,9 @@ class FSLRModule(nn.Module):
         self._strict_load = True
         self.probes = 0
         self.reported = DropReports()  # drops already warned about
-        if seed is None:
-            seed = int(torch.randint(0, 2**62, ()).item())
+        if seed is None:  # the global RNG's next draw, which the user's run still makes
+            with torch.random.fork_rng(devices=[]):
+                seed = int(torch.randint(0, 2**62, ()).item())
         self.seed = torch_seed(seed, "seed")
         self.generators: dict[str, torch.Generator] = {}
         self.register_state_dict_post_hook(save_bare)  # type: ignore[no-untyped-call]

@@ -32,7 +32,7 @@ def check(tmp_path: Path, arch: str, precision: str = "bf16", lora: bool = False
     record = FSLRRecord.load(tmp_path / "base" / "fslr_record.json")
     assert record.steps == [1]  # the warm-up from 0 makes step 0 unmeasurable
     assert record.meta["sched_per_step"][0] == 0.0 and record.meta["sched_per_step"][1] > 0
-    assert (tmp_path / "wide" / "checkpoint-1" / "fslr_state.pt").is_file()
+    assert (tmp_path / "wide" / "checkpoint-1" / "flerm_state.pt").is_file()
     for a, b in zip(full.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
     logged = {k for entry in full.state.log_history for k in entry}
@@ -315,3 +315,56 @@ def test_a_state_file_that_would_run_code_is_refused_not_run(
     with pytest.raises(ValueError, match=r"fslr_state\.pt' cannot be read"):
         _load_state(str(path))
     assert "code ran" not in capsys.readouterr().out
+
+
+def test_flerm_and_a_recorder_on_one_trainer_save_and_resume_both(tmp_path: Path) -> None:
+    """Both callbacks wrote ``checkpoint-<step>/fslr_state.pt``: FLeRM's state was lost, and at
+    resume FLeRM was handed the Recorder's ("this FLeRM state lacks ...")."""
+    import transformers
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from fslr_func.integrations.transformers import FLeRMCallback, FSLRCallback
+
+    def rows(n: int, seed: int) -> list[dict[str, Any]]:
+        ids = torch.randint(0, 50, (n, 8), generator=torch.Generator().manual_seed(seed))
+        return [{"input_ids": r, "labels": r} for r in ids.tolist()]
+
+    def run(width: int, out: Path, callbacks: list[Any], resume: str | None = None) -> Trainer:
+        torch.manual_seed(0)
+        config = GPT2Config(n_layer=1, n_embd=width, n_head=2, vocab_size=50, n_positions=8,
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        args = TrainingArguments(
+            output_dir=str(out), max_steps=6, per_device_train_batch_size=4, learning_rate=1e-2,
+            report_to=[], seed=0, disable_tqdm=True, use_cpu=DEVICE.type == "cpu",
+            save_steps=3, logging_steps=1,
+        )  # fmt: skip
+        trainer = Trainer(
+            model=GPT2LMHeadModel(config), args=args, train_dataset=rows(24, 0),
+            data_collator=transformers.default_data_collator, callbacks=callbacks,
+        )  # fmt: skip
+        trainer.train(resume_from_checkpoint=resume)
+        return trainer
+
+    probes = rows(8, 99)
+    run(16, tmp_path / "base", [FSLRCallback(probes, every=1, warmup_samples=4)])
+    record = tmp_path / "base" / "fslr_record.json"
+
+    def both() -> list[Any]:
+        return [
+            FLeRMCallback(str(record), probes, warmup_samples=4, every=2),
+            FSLRCallback(probes, every=2, warmup_samples=4),
+        ]
+
+    whole = run(32, tmp_path / "wide", both())
+    checkpoint = tmp_path / "wide" / "checkpoint-3"
+    assert (checkpoint / "fslr_state.pt").is_file() and (checkpoint / "flerm_state.pt").is_file()
+    resumed = run(32, tmp_path / "wide", both(), resume=str(checkpoint))
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a FLeRM checkpoint of an earlier version, its state under the recorder's name, resumes
+    (checkpoint / "fslr_state.pt").unlink()
+    (checkpoint / "flerm_state.pt").rename(checkpoint / "fslr_state.pt")
+    flerm = both()[:1]
+    resumed = run(32, tmp_path / "wide", flerm, resume=str(checkpoint))
+    for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)

@@ -282,3 +282,17 @@ def test_plan_and_feed() -> None:
     assert feed.take(4) == batches
     with pytest.raises(ValueError, match="ran out after 4"):
         feed.take(1)
+
+
+def test_wrapping_without_a_seed_leaves_the_runs_own_random_draws_as_they_were() -> None:
+    """``with_fslr`` without ``seed=`` drew its omega seed from the global RNG and advanced
+    it: a Trainer callback that wraps the model after ``set_seed`` changed every dropout mask
+    of the run it only meant to record, ``forward_seed`` or not."""
+    net = nn.Linear(3, 2)
+    torch.manual_seed(0)
+    want = torch.rand(3)
+    torch.manual_seed(0)
+    first = ff.with_fslr(net, samples=2)
+    assert torch.equal(torch.rand(3), want)
+    torch.manual_seed(0)
+    assert ff.with_fslr(net, samples=2).seed == first.seed  # still reproducible

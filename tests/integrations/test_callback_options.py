@@ -1,0 +1,82 @@
+"""The callbacks' options are checked when the callback is built, not when training starts:
+misspelled names (with the close match), ranges, FLeRM's mode and policy, and a probe set the
+callback can go through more than once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+import fslr_func as ff
+from fslr_func.integrations.session import DrivingCallback, RecordingCallback
+
+PROBES = [{"input_ids": [1, 2, 3]}] * 4
+
+
+def base() -> ff.FSLRRecord:
+    record = ff.FSLRRecord(meta={"base_lr": 0.1})
+    record.append(0, {"w": 1.0})
+    return record
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"evry": 2}, TypeError, r"'evry' \(did you mean \['every'\]\?\)"),
+        ({"fslr_options": {"sample": 4}}, TypeError, r"fslr_options has 'sample'.*'samples'"),
+        ({"every": 0}, ValueError, "every must be"),
+        ({"warmup_samples": -1}, ValueError, "warmup_samples must be"),
+    ],
+)
+def test_a_recording_callbacks_bad_options_are_refused_when_it_is_built(
+    options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        RecordingCallback(PROBES, **options)
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "match"),
+    [
+        ({"mode": "perodic"}, ValueError, "mode must be 'static' or 'periodic'"),
+        ({"policy": "nope"}, ValueError, "unknown policy 'nope'"),
+        ({"mode": "periodic", "every": 0}, ValueError, "every must be"),
+        ({"base_lr": 0.1}, TypeError, "'base_lr', which FLeRM does not take"),
+    ],
+)
+def test_a_driving_callbacks_bad_options_are_refused_when_it_is_built(
+    options: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        DrivingCallback(base(), PROBES, **options)
+
+
+@pytest.mark.parametrize("probes", [None, iter(PROBES), 3])
+def test_a_probe_set_that_cannot_be_gone_through_again_is_refused(probes: Any) -> None:
+    with pytest.raises(
+        TypeError, match=r"probe_dataset must be .* a dataset, a list or a DataLoader"
+    ):
+        RecordingCallback(probes)
+
+
+def test_good_options_are_taken() -> None:
+    RecordingCallback(PROBES, every=2, warmup_samples=4, fslr_options={"samples": 4, "seed": 0})
+    DrivingCallback(base(), PROBES, mode="periodic", every=5, policy="share_blocks")
+
+
+def test_lightning_batches_probe_rows_like_a_batch_sampler() -> None:
+    """A training loader built with ``batch_sampler=`` has ``batch_size=None``: probe rows
+    were batched one at a time, silently."""
+    pytest.importorskip("lightning")
+    import torch
+    from torch.utils.data import BatchSampler, DataLoader, SequentialSampler
+
+    from fslr_func.integrations.lightning import _batch_size
+
+    rows = torch.arange(64.0).reshape(32, 2)
+    sampler = BatchSampler(SequentialSampler(rows), batch_size=16, drop_last=False)
+    assert _batch_size(DataLoader(rows, batch_sampler=sampler)) == 16
+    assert _batch_size(DataLoader(rows, batch_size=8)) == 8
+    with pytest.warns(RuntimeWarning, match="one at a time"):
+        assert _batch_size(DataLoader(rows, batch_sampler=[[0, 1], [2, 3]])) == 1
