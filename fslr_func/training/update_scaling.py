@@ -45,13 +45,13 @@ Examples:
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..probe.functional import is_dtensor
 from .rates import Scaling, group_lr, initial_lr, scaling_registry
 
 __all__ = ["Snapshots", "UpdateScaler", "check_scalable", "scale_updates", "snapshot"]
@@ -173,9 +173,16 @@ def scale_updates(
 
 
 def _local(tensors: Sequence[Tensor]) -> list[Tensor]:
-    """The tensors' data, an FSDP2 shard's local tensor for a DTensor (every operation here is
-    elementwise, so each rank scales its own shard)."""
-    return [t.detach().to_local() if is_dtensor(t) else t.detach() for t in tensors]  # type: ignore[attr-defined]
+    """The tensors, an FSDP2 shard's local tensor for a DTensor (every operation here is
+    elementwise, so each rank scales its own shard), for in-place use under ``no_grad``.
+
+    On every step of every driven tensor: the DTensor class is looked up once per call, not
+    once per tensor (:func:`~fslr_func.probe.functional.is_dtensor` per tensor was 4 ms a step
+    on 500 small tensors)."""
+    dtensor = getattr(sys.modules.get("torch.distributed.tensor"), "DTensor", None)
+    if dtensor is None:
+        return list(tensors)
+    return [t.to_local() if isinstance(t, dtensor) else t for t in tensors]
 
 
 class Snapshots:
