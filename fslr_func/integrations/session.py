@@ -38,6 +38,7 @@ from torch import nn
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from ..probe.options import ProbeOptions
+from ..stats.estimator import EMA, check_estimator
 from ..training import policies
 from ..training.flerm import FLeRM
 from ..training.probe_schedule import ProbePlan, length_of
@@ -138,6 +139,10 @@ class Session:
             )
         _check_names(self.options, Recorder if self.base is None else FLeRM, "options")
         _check_names(self.fslr_options, with_fslr, "fslr_options")
+        probe_fields = {f.name for f in dataclasses.fields(ProbeOptions)}
+        ProbeOptions(**{k: v for k, v in self.fslr_options.items() if k in probe_fields})
+        check_estimator(self.fslr_options.get("estimator", "kron"))
+        EMA(self.fslr_options.get("beta", 0.9))  # beta's range
         every = self.options.get("every", 100)
         if self.base is not None:
             mode = self.options.get("mode", "static")
@@ -252,7 +257,10 @@ class _SessionCallback:
         fslr_options: Mapping[str, Any] | None,
         options: Mapping[str, Any],
     ) -> None:
-        if not isinstance(probe_dataset, Iterable) or isinstance(probe_dataset, Iterator):
+        indexed = hasattr(probe_dataset, "__getitem__") and hasattr(probe_dataset, "__len__")
+        if isinstance(probe_dataset, Iterator) or not (
+            indexed or isinstance(probe_dataset, Iterable)
+        ):  # a map-style dataset has no __iter__ of its own
             given = (
                 "a one-shot iterator"
                 if isinstance(probe_dataset, Iterator)

@@ -11,8 +11,9 @@ the ``Trainer`` built, and attach through the optimiser's step hooks, so gradien
 accumulation, clipping and mixed precision need nothing more. Probe batches are drawn from
 ``probe_dataset`` with the ``Trainer``'s own data collator and per-device batch size, in order
 (``labels`` dropped, tensors moved to ``args.device``, ``use_cache=False``). The state
-(controller and the wrapper's EMAs) is saved as ``fslr_state.pt`` in each checkpoint folder
-and loaded by ``resume_from_checkpoint`` (from ``output_dir/checkpoint-<step>``).
+(controller and the wrapper's EMAs) is saved as ``fslr_state.pt`` (``FSLRCallback``) or
+``flerm_state.pt`` (``FLeRMCallback``) in each checkpoint folder and loaded by
+``resume_from_checkpoint`` (from ``output_dir/checkpoint-<step>``).
 ``FSLRCallback`` writes the record to ``output_dir/fslr_record.json`` at every checkpoint and
 at the end. At each ``on_log`` the latest FSLRs (``fslr/<tensor>``) and FLeRM rates
 (``flerm_lr/<tensor>``) are added to the logs and to ``state.log_history``. The ``Trainer``

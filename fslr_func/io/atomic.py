@@ -50,7 +50,7 @@ _SEPARATORS = tuple(sep for sep in (os.sep, os.altsep) if sep)
 
 
 def _create_temporary(folder: Path, prefix: str, mode: int) -> tuple[int, str]:
-    """Create ``<prefix><pid>.<random>.tmp`` in ``folder``, opened for writing, with
+    """Create ``<prefix><pid>.<tag><random>.tmp`` in ``folder``, opened for writing, with
     permissions ``mode & ~umask`` applied by the system (reading the umask would mean setting
     it, which races with other threads creating files).
 

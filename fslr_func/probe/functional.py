@@ -433,8 +433,9 @@ def check_output(out: Tensor, *, finite: bool = True) -> None:
         )
     if finite and not all_finite(out):
         raise ValueError(
-            "the model output has NaN or Inf entries on this batch (its inputs are finite): "
-            "the FSLR is undefined there; check the weights or use another batch. Logits "
+            "the model output has NaN or Inf entries on this batch (its inputs have no NaN; "
+            "an Inf input that reaches the output shows here): the FSLR is undefined there; "
+            "check the weights and inputs or use another batch. Logits "
             "masked with -inf (invalid actions, a vocabulary mask) need an output_fn that "
             "measures the finite entries, e.g. output_fn=lambda o: o.masked_fill(mask, 0)"
         )

@@ -380,12 +380,13 @@ class FSLRModule(nn.Module):
         batches = _probe_batches(inputs)
         if self._measuring:
             raise RuntimeError(
-                "fm.measure blocks cannot be nested: the outer block already measures this "
-                "optimiser step. Two FLeRMs (one per optimiser, Muon + AdamW) probe in their "
-                "own blocks: `with f1.step(): muon.step()` then `with f2.step(): adamw.step()`, "
-                "or attach() both. With a Recorder or FLeRM, do not also call fm.measure; a "
-                "Recorder and FLeRM on one wrapper cannot both probe one step: start the "
-                "Recorder after FLeRM's set points, or record through a second "
+                "fm.measure blocks cannot be nested: a step is measured once, and a measuring "
+                "block (fm.measure, or a Recorder's or FLeRM's step() on this wrapper) is "
+                "already open around it. Two FLeRMs (one per optimiser, Muon + AdamW) probe in "
+                "their own blocks: `with f1.step(): muon.step()` then `with f2.step(): "
+                "adamw.step()`, or attach() both. With a Recorder or FLeRM, do not also call "
+                "fm.measure; a Recorder and FLeRM on one wrapper cannot both probe one step: "
+                "start the Recorder after FLeRM's set points, or record through a second "
                 "with_fslr(model)"
             )
         optimizers = [optimizer] if isinstance(optimizer, torch.optim.Optimizer) else optimizer

@@ -27,6 +27,9 @@ def base() -> ff.FSLRRecord:
         ({"fslr_options": {"sample": 4}}, TypeError, r"fslr_options has 'sample'.*'samples'"),
         ({"every": 0}, ValueError, "every must be"),
         ({"warmup_samples": -1}, ValueError, "warmup_samples must be"),
+        ({"fslr_options": {"samples": 0}}, ValueError, "samples must be a positive integer"),
+        ({"fslr_options": {"beta": 2.0}}, ValueError, r"beta must be in \[0, 1\)"),
+        ({"fslr_options": {"estimator": "kronn"}}, ValueError, "unknown estimator 'kronn'"),
     ],
 )
 def test_a_recording_callbacks_bad_options_are_refused_when_it_is_built(
@@ -61,7 +64,19 @@ def test_a_probe_set_that_cannot_be_gone_through_again_is_refused(probes: Any) -
 
 
 def test_good_options_are_taken() -> None:
+    import torch
+    from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+    class Rows(Dataset[dict[str, list[int]]]):  # map-style: no __iter__ of its own
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> dict[str, list[int]]:
+            return {"input_ids": [1, 2, i]}
+
     RecordingCallback(PROBES, every=2, warmup_samples=4, fslr_options={"samples": 4, "seed": 0})
+    for probes in (TensorDataset(torch.randn(4, 3)), Rows(), DataLoader(Rows(), batch_size=2)):
+        RecordingCallback(probes)
     DrivingCallback(base(), PROBES, mode="periodic", every=5, policy="share_blocks")
 
 
