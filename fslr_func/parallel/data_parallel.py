@@ -68,12 +68,18 @@ from torch import Tensor, nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ..probe import sampling
-from ..probe.functional import Inputs
+from ..probe.functional import Inputs, check_inputs, infinite_input_error
 from ..probe.names import unwrapped
 from ..probe.sampling import OmegaSlice, ProbeResult
 from ..stats.estimator import Estimator, ReadoutRole, check_estimator
 from .fsdp import gathered
-from .process_group import ProcessGroup, collective_device, failure_reasons, rank_and_size
+from .process_group import (
+    ProcessGroup,
+    collective_device,
+    failure_reasons,
+    gathered_names,
+    rank_and_size,
+)
 
 __all__ = [
     "OMEGA_DRAWS",
@@ -419,4 +425,8 @@ def estimate(
         Tensor name -> float64 scalar FSLR, identical on every rank.
     """
     check_estimator(estimator)
-    return probe(model, inputs, delta, **kwargs).fslr(estimator)
+    fslr = probe(model, inputs, delta, **kwargs).fslr(estimator)
+    if fslr and not bool(torch.stack(list(fslr.values())).isfinite().all()):  # on every rank
+        # an Inf in one rank's shard that reached a gradient: every rank names it
+        infinite_input_error(fslr, gathered_names(check_inputs(inputs), kwargs.get("group")))
+    return fslr

@@ -23,6 +23,8 @@ __all__ = [
     "broadcast_seed",
     "collective_device",
     "failure_reasons",
+    "gathered_names",
+    "next_seed",
     "raise_if_any_rank_failed",
     "rank_and_size",
 ]
@@ -52,11 +54,25 @@ def collective_device(group: ProcessGroup = None) -> torch.device:
     return torch.device("cpu")
 
 
+def next_seed() -> int:
+    """The global RNG's next draw of a seed, taken without advancing it: a wrapper built
+    without ``seed=`` is reproducible under ``torch.manual_seed``, and the run's own draws
+    (dropout masks, a collator's) are those of a run without it.
+
+    Examples:
+        >>> _ = torch.manual_seed(0)
+        >>> next_seed() == next_seed()
+        True
+    """
+    with torch.random.fork_rng(devices=[]):
+        return int(torch.randint(0, 2**62, ()).item())
+
+
 def broadcast_seed(seed: int | None, group: ProcessGroup = None) -> int:
-    """``seed`` of the group's first rank on every rank (drawn there from torch's RNG if None)."""
+    """``seed`` of the group's first rank on every rank (if None, its :func:`next_seed`)."""
     rank_and_size(group)
     if seed is None:
-        seed = int(torch.randint(0, 2**62, ()).item())
+        seed = next_seed()
     t = torch.tensor([seed], dtype=torch.int64, device=collective_device(group))
     dist.broadcast(t, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
     return int(t.item())
@@ -87,6 +103,14 @@ def raise_if_any_rank_failed(reason: str | None, what: str, fix: str, group: Pro
     if failed:
         why = failure_reasons(failed, reason, group)
         raise ValueError(f"{what} failed on rank(s) {failed} ({why}): every rank stops here; {fix}")
+
+
+def gathered_names(names: Sequence[str], group: ProcessGroup) -> list[str]:
+    """Every rank's ``names`` as ``"rank i: name"``, on every rank of ``group`` (one
+    ``all_gather_object``): what one rank found in its own shard, for an error all raise."""
+    per_rank: list[Sequence[str] | None] = [None] * rank_and_size(group)[1]
+    dist.all_gather_object(per_rank, list(names), group=group)
+    return [f"rank {i}: {n}" for i, got in enumerate(per_rank) for n in got or ()]
 
 
 def failure_reasons(failed: Sequence[int], reason: str | None, group: ProcessGroup) -> str:

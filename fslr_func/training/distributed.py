@@ -19,7 +19,8 @@ from ..parallel.data_parallel import (
     unwrap,
 )
 from ..parallel.fsdp import is_fully_sharded
-from ..parallel.process_group import ProcessGroup, broadcast_seed
+from ..parallel.process_group import ProcessGroup, broadcast_seed, gathered_names
+from ..probe.functional import Inputs, check_inputs
 from .wrapper import FSLRModule
 
 __all__ = ["DistributedFSLRModule"]
@@ -75,6 +76,12 @@ class DistributedFSLRModule(FSLRModule):
         self.distributed = bool(distributed)
         self.group = group
         self.omega_draw = omega_draw
+
+    def _infinite(self, batch: Inputs) -> list[str]:
+        """Every rank's inputs with infinite entries: the statistics, all-reduced, are NaN on
+        every rank where one rank's Inf reached a gradient, so every rank raises, naming it."""
+        found = check_inputs(batch)
+        return gathered_names(found, self.group) if self.distributed else found
 
     @property
     def ddp(self) -> nn.Module | None:

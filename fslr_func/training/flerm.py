@@ -87,7 +87,7 @@ from .flerm_rule import Match, match, rate
 from .flerm_targets import BaseTargets, Note, PastEnd, Unknown
 from .probe_schedule import ProbePlan
 from .rates import group_lr
-from .update_scaling import UpdateScaler
+from .update_scaling import UpdateScaler, update_rule
 from .wrapper import FSLRModule, Measurement
 
 __all__ = ["FLeRM", "SetPoint"]
@@ -160,7 +160,7 @@ def _warn_if_other_optimizer(base: FSLRRecord, optimizer: torch.optim.Optimizer)
     at learning rate 1 depend on the update rule, so an Adam record driving SGD sets rates that
     transfer nothing (``meta["optimizer"]``; ``"A+B"`` for a Recorder over several)."""
     recorded = base.meta.get("optimizer")
-    name = type(optimizer).__name__
+    name = type(update_rule(optimizer)).__name__
     if isinstance(recorded, str) and name not in recorded.split("+"):
         warnings.warn(
             f"FLeRM's base record was made with {recorded} and this optimiser is {name}: "

@@ -49,6 +49,7 @@ from ..probe.names import unwrapped
 from .controller import LogFn, StepController, trainable_shapes
 from .feature_gains import require_one_process, require_readout, step_gains
 from .rates import group_lr, initial_lr, rates_in_force, when_final
+from .update_scaling import update_rule
 from .wrapper import FSLRModule, Measurement
 
 __all__ = ["LogFn", "Recorder", "schedule_ratio"]
@@ -225,7 +226,9 @@ class Recorder(StepController):
         if meta["optimizer"] is None:
             described = optimizer_meta(optimizers[0])
             # one class name per optimiser ("Muon+AdamW"): FLeRM checks its own against them
-            meta["optimizer"] = "+".join(dict.fromkeys(type(o).__name__ for o in optimizers))
+            # the update rule's (ZeroRedundancyOptimizer's optimizer_class)
+            rules = (type(update_rule(o)).__name__ for o in optimizers)
+            meta["optimizer"] = "+".join(dict.fromkeys(rules))
             meta["optimizer_hparams"] = described["optimizer_hparams"]
             if meta["base_lr"] is None:
                 meta["base_lr"] = self._first_lr(described["base_lr"])

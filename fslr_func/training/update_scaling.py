@@ -54,7 +54,14 @@ from torch import Tensor
 
 from .rates import Scaling, group_lr, initial_lr, scaling_registry
 
-__all__ = ["Snapshots", "UpdateScaler", "check_scalable", "scale_updates", "snapshot"]
+__all__ = [
+    "Snapshots",
+    "UpdateScaler",
+    "check_scalable",
+    "scale_updates",
+    "snapshot",
+    "update_rule",
+]
 
 # Optimisers whose step is not proportional to their learning rate, by (module prefix, class).
 _NOT_PROPORTIONAL: dict[tuple[str, str], str] = {
@@ -89,6 +96,21 @@ def _not_scalable(cls: type) -> str | None:
     return why or next((w for pkg, w in _GROUP_COUPLED.items() if module.startswith(pkg)), None)
 
 
+def update_rule(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimiser whose rule makes the updates: ``ZeroRedundancyOptimizer``'s local one
+    (``.optim``, of its ``optimizer_class``), else ``optimizer`` itself.
+
+    Examples:
+        >>> opt = torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+        >>> update_rule(opt) is opt
+        True
+    """
+    local = getattr(optimizer, "optim", None)
+    return (
+        local if isinstance(local, torch.optim.Optimizer) and local is not optimizer else optimizer
+    )
+
+
 def check_scalable(optimizer: torch.optim.Optimizer) -> None:
     """Refuse an optimiser whose step at one rate, scaled, is not its step at another.
 
@@ -108,6 +130,8 @@ def check_scalable(optimizer: torch.optim.Optimizer) -> None:
         ...
         ValueError: FLeRM cannot drive Rprop: its step sizes start at lr ...
     """
+    if update_rule(optimizer) is not optimizer:  # ZeroRedundancyOptimizer(optimizer_class=...)
+        check_scalable(update_rule(optimizer))
     name = type(optimizer).__name__
     why = next(filter(None, map(_not_scalable, type(optimizer).__mro__)), None)  # subclasses too
     if why is not None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor, nn
 
+from ..parallel.process_group import next_seed
 from ..probe import forward_cache
 from ..probe.functional import (
     Inputs,
@@ -187,9 +188,8 @@ class FSLRModule(nn.Module):
         self._strict_load = True
         self.probes = 0
         self.reported = DropReports()  # drops already warned about
-        if seed is None:  # the global RNG's next draw, which the user's run still makes
-            with torch.random.fork_rng(devices=[]):
-                seed = int(torch.randint(0, 2**62, ()).item())
+        if seed is None:
+            seed = next_seed()
         self.seed = torch_seed(seed, "seed")
         self.generators: dict[str, torch.Generator] = {}
         self.register_state_dict_post_hook(save_bare)  # type: ignore[no-untyped-call]
@@ -307,13 +307,17 @@ class FSLRModule(nn.Module):
             if strict and (nan := [n for n, v in result.log_stats.items() if v.isnan().any()]):
                 # an Inf input reaching a gradient; named rather than left out
                 infinite_input_error(
-                    dict.fromkeys(nan, torch.tensor(math.nan)), check_inputs(batch)
+                    dict.fromkeys(nan, torch.tensor(math.nan)), self._infinite(batch)
                 )
             self.resolved_strategy = result.strategy
             self.readout_roles.update(result.readout)
             means = mean_valid_log_stats_all(result.log_stats)
             self.ema.update(means, step=self.probes if step is None else step, include=changed)
             self.probes += 1
+
+    def _infinite(self, batch: Inputs) -> list[str]:
+        """The probe batch's inputs with infinite entries (every rank's, distributed)."""
+        return check_inputs(batch)
 
     def observe(
         self,

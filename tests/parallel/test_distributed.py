@@ -369,7 +369,66 @@ def _check_readout_roles_agreed(rank: int) -> None:
         ff.Recorder(fm, [torch.randn(4, 5)], optimizer=opt, feature_gains=True)
 
 
+class _Scaled(nn.Module):
+    """``tanh(lin(x * scale))``: an Inf scale leaves the output finite and the weight's
+    gradient NaN."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor, scale: Tensor) -> Tensor:
+        return torch.tanh(self.lin(x * scale))
+
+
+def _check_this_sessions_rules(rank: int) -> None:
+    """Under DDP as in one process: an unseeded wrapper leaves the global RNG where it was
+    (the seed broadcast from rank 0 advanced every rank's), and every rank gets rank 0's
+    seed; an Inf in one rank's shard that reaches a gradient makes every rank raise, naming
+    it (``fd.estimate`` returned NaN; ``fm.observe`` raised on that rank only, and the other
+    went on alone); ``ZeroRedundancyOptimizer`` is checked and named by its update rule."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = _mlp()
+    torch.manual_seed(10 + rank)
+    want = torch.rand(3)
+    torch.manual_seed(10 + rank)
+    fm = ff.with_fslr(DistributedDataParallel(model), samples=2)
+    assert torch.equal(torch.rand(3), want)
+    seeds: list[Any] = [None] * WORLD
+    dist.all_gather_object(seeds, fm.seed)
+    assert seeds[0] == seeds[1]
+
+    torch.manual_seed(0)
+    scaled = _Scaled()
+    x, scale = torch.randn(3, 4), torch.ones(3, 4)
+    if rank == 0:
+        scale[0, 0] = math.inf
+    delta = {n: torch.randn_like(p) for n, p in scaled.named_parameters()}
+    where = r"Inf entries in \['rank 0: positional input 1'\]"
+    with pytest.raises(ValueError, match=where):
+        fd.estimate(
+            scaled, (x, scale), delta, samples=2, generator=torch.Generator().manual_seed(0)
+        )
+    with pytest.raises(ValueError, match=where):
+        ff.with_fslr(DistributedDataParallel(scaled), samples=2, seed=0).observe((x, scale), delta)
+
+    for rule, refused in ((torch.optim.Rprop, True), (torch.optim.Adam, False)):
+        zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=rule, lr=1e-2)
+        base = ff.FSLRRecord(meta={"base_lr": 1e-2, "optimizer": "Adam"})
+        base.append(0, {n: 1.0 for n, _ in model.named_parameters()})
+        wide = ff.with_fslr(DistributedDataParallel(model), samples=2, seed=0)
+        if refused:
+            with pytest.raises(ValueError, match="FLeRM cannot drive Rprop"):
+                ff.FLeRM(wide, zero, base, probe_batches=[x])
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no "made with Adam ... this optimiser is ZeRO"
+                ff.FLeRM(wide, zero, base, probe_batches=[x])
+
+
 def _checks(rank: int) -> None:
+    _check_this_sessions_rules(rank)
     _check_readout_roles_agreed(rank)
     _check_probe_feed_running_out_on_one_rank(rank)
     _check_estimates(rank)
