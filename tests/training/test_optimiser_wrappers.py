@@ -176,19 +176,26 @@ def test_a_with_block_around_a_stepping_wrapper_is_refused_with_attach_as_the_wa
         plain.step(SAM(plain.fm.parameters(), 1e-2))  # type: ignore[arg-type]
 
 
+def steps_recorded_in_with_blocks(
+    fm: ff.FSLRModule, opt: torch.optim.Optimizer, wrapped: Any
+) -> list[int]:
+    """Three steps of ``opt``, each in a ``with`` block of a Recorder built over ``wrapped``."""
+    rec = Recorder(fm, stream(), optimizer=wrapped, warmup_samples=8, every=2)
+    for t in range(3):
+        opt.zero_grad()
+        backward(fm, t)
+        with rec.step():
+            opt.step()
+    return rec.record.steps
+
+
 def test_accelerates_and_lightnings_wrappers_still_work_in_a_with_block() -> None:
     """Wrappers that only delegate their step keep the ``with`` form."""
     fm = model()
     opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
     accelerated = type("AcceleratedOptimizer", (), {"__module__": "accelerate.optimizer"})()
     accelerated.optimizer = opt
-    rec = Recorder(fm, stream(), optimizer=accelerated, warmup_samples=8, every=2)
-    for t in range(3):
-        opt.zero_grad()
-        backward(fm, t)
-        with rec.step():
-            opt.step()
-    assert rec.record.steps == [0, 2]
+    assert steps_recorded_in_with_blocks(fm, opt, accelerated) == [0, 2]
 
 
 def test_lightnings_and_fabrics_own_wrapper_classes_keep_the_with_form() -> None:
@@ -209,10 +216,4 @@ def test_lightnings_and_fabrics_own_wrapper_classes_keep_the_with_form() -> None
         wrapped = wrap(opt)
         wrapped._strategy = Strategy()
         assert type(wrapped).__name__ in ("LightningAdam", "FabricAdam")
-        rec = Recorder(fm, stream(), optimizer=wrapped, warmup_samples=8, every=2)
-        for t in range(3):
-            opt.zero_grad()
-            backward(fm, t)
-            with rec.step():
-                opt.step()
-        assert rec.record.steps == [0, 2]
+        assert steps_recorded_in_with_blocks(fm, opt, wrapped) == [0, 2]

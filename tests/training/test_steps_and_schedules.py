@@ -659,18 +659,24 @@ def test_param_groups_on_different_schedules_need_the_scaled_runs_own_scheduler(
     every tensor the first group's, silently; it is refused, and with the run's own scheduler
     every tensor follows its group's schedule (the same model gets its base rates back)."""
 
-    def run(schedules: list[Callable[[int], float]]) -> tuple[FSLRRecord, ff.FSLRModule]:
+    def two_groups() -> tuple[ff.FSLRModule, torch.optim.Optimizer]:
         fm = model()
         params = list(fm.parameters())
-        opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+        return fm, torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+
+    def steps(fm: ff.FSLRModule, opt: torch.optim.Optimizer, sched: Any, n: int) -> None:
+        for t in range(n):
+            opt.zero_grad()
+            backward(fm, t)
+            opt.step()
+            sched.step()
+
+    def run(schedules: list[Callable[[int], float]]) -> tuple[FSLRRecord, ff.FSLRModule]:
+        fm, opt = two_groups()
         sched = torch.optim.lr_scheduler.LambdaLR(opt, schedules)
         rec = Recorder(fm, stream(), optimizer=opt, scheduler=sched, warmup_samples=8, every=2)
         with rec.attach():
-            for t in range(4):
-                opt.zero_grad()
-                backward(fm, t)
-                opt.step()
-                sched.step()
+            steps(fm, opt, sched, 4)
         return rec.record, fm
 
     same, _ = run([lambda t: 1 / (1 + t)] * 2)
@@ -680,19 +686,13 @@ def test_param_groups_on_different_schedules_need_the_scaled_runs_own_scheduler(
     assert split.meta["sched_groups_differ_at"] == 1
     loaded = FSLRRecord.from_dict(split.to_dict())
     assert FSLRRecord.mean([same, loaded]).meta["sched_groups_differ_at"] == 1
-    fm = model()
-    params = list(fm.parameters())
-    opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+    fm, opt = two_groups()
     with pytest.raises(ValueError, match=r"different schedules from step 1.*scheduler="):
         ff.FLeRM(fm, opt, loaded, probe_batches=stream(2))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, split_schedules)
     flerm = ff.FLeRM(fm, opt, loaded, probe_batches=stream(2), scheduler=sched)
     with flerm.attach():
-        for t in range(3):
-            opt.zero_grad()
-            backward(fm, t)
-            opt.step()
-            sched.step()
+        steps(fm, opt, sched, 3)
     lrs = flerm.lrs()  # step 3: group 0 at 1/4 of its initial rate, group 1 at its rate
     schedule = {n: v / (1e-2 * flerm.ratios[n]) for n, v in lrs.items()}
     expected = {"0.weight": 0.25, "0.bias": 0.25, "2.weight": 1.0, "2.bias": 1.0}
