@@ -55,20 +55,32 @@ class _ProbeBatches:
             yield move_data_to_device(batch, self.trainer.strategy.root_device)
 
 
-def _batch_size(loader: Any) -> int:
+def _batch_size(loader: Any) -> int | None:
     """The training loader's batch size, for probe rows batched like its batches: its
-    ``batch_size``, else its ``batch_sampler``'s (a bucketing sampler); where it says none,
-    the size of the loader's first batch would be a guess, so rows are batched one at a
-    time, with a warning."""
+    ``batch_size``, else its ``batch_sampler``'s (a bucketing sampler); ``None`` where it
+    batches nothing (its items are batches: the probe set's are taken as they are). A
+    ``batch_sampler`` that says no size gets rows one at a time, with a warning.
+
+    Examples:
+        >>> from torch.utils.data import DataLoader
+        >>> _batch_size(DataLoader(range(8), batch_size=4))
+        4
+        >>> _batch_size(DataLoader(range(8), batch_size=None)) is None
+        True
+    """
+    if (
+        getattr(loader, "batch_size", None) is None
+        and getattr(loader, "batch_sampler", None) is None
+    ):
+        return None
     size = getattr(loader, "batch_size", None) or getattr(
         getattr(loader, "batch_sampler", None), "batch_size", None
     )
     if isinstance(size, int) and size > 0:
         return size
     warnings.warn(
-        "the training DataLoader has no batch_size (a batch_sampler without one): probe rows "
-        "are batched one at a time; pass probe_dataset as a DataLoader with the batch size "
-        "to probe",
+        "the training DataLoader's batch_sampler has no batch_size: probe rows are batched "
+        "one at a time; pass probe_dataset as a DataLoader with the batch size to probe",
         RuntimeWarning,
         stacklevel=3,
     )

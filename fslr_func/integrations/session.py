@@ -34,12 +34,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.data import IterableDataset
 
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
 from ..probe.options import ProbeOptions
 from ..stats.estimator import EMA, check_estimator
 from ..training import policies
+from ..training.distributed import DistributedFSLRModule
 from ..training.flerm import FLeRM
 from ..training.probe_schedule import ProbePlan, length_of
 from ..training.recorder import Recorder
@@ -91,8 +93,9 @@ def _check_names(options: Mapping[str, Any], target: Any, what: str) -> None:
     when training started."""
     known = set(inspect.signature(target).parameters) - {"self", "options", "model", "fm"}
     known -= {"base", "probe_batches", *_RESERVED}  # the callback's own
-    if target is with_fslr:
+    if target is with_fslr:  # its **options: the probe's and the distributed wrapper's
         known |= {f.name for f in dataclasses.fields(ProbeOptions)}
+        known |= set(inspect.signature(DistributedFSLRModule).parameters) - {"model", "kwargs"}
     unknown = [k for k in options if k not in known]
     if unknown:
         hints = [
@@ -148,8 +151,9 @@ class Session:
             mode = self.options.get("mode", "static")
             if mode not in ("static", "periodic"):
                 raise ValueError(f"mode must be 'static' or 'periodic', got {mode!r}")
+            if mode == "periodic" and every is None:
+                raise ValueError("mode='periodic' needs every=N (an int >= 1)")
             policies.resolve(self.options.get("policy", "identity"))
-            every = every if mode == "periodic" else None  # static: its set point only
         ProbePlan.of(  # the ranges, now rather than when training starts
             self.options.get("warmup_samples", 40),
             self.fslr_options.get("samples", 8),
@@ -258,14 +262,12 @@ class _SessionCallback:
         options: Mapping[str, Any],
     ) -> None:
         indexed = hasattr(probe_dataset, "__getitem__") and hasattr(probe_dataset, "__len__")
-        if isinstance(probe_dataset, Iterator) or not (
-            indexed or isinstance(probe_dataset, Iterable)
-        ):  # a map-style dataset has no __iter__ of its own
-            given = (
-                "a one-shot iterator"
-                if isinstance(probe_dataset, Iterator)
-                else type(probe_dataset).__name__
-            )
+        one_shot = isinstance(probe_dataset, Iterator) and not isinstance(
+            probe_dataset, IterableDataset
+        )  # an IterableDataset that is its own iterator starts again at each __iter__
+        if one_shot or not (indexed or isinstance(probe_dataset, Iterable)):
+            # a map-style dataset has no __iter__ of its own
+            given = "a one-shot iterator" if one_shot else type(probe_dataset).__name__
             raise TypeError(
                 "probe_dataset must be held-out model inputs the callback can go through again "
                 f"and again: a dataset, a list or a DataLoader, not {given}"

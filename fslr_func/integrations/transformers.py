@@ -234,11 +234,16 @@ class _Callback(TrainerCallback):
             ours = os.path.isfile(saved) and (
                 TrainerState.load_from_json(saved).log_history == state.log_history
             )
-            if ours:
-                self.session.load_state_dict(_load_state(path))
+            loaded = _load_state(path) if ours else {}
+            recorders = self.state_file != STATE_FILE and "record" in loaded.get("controller", {})
+            if ours and not recorders:
+                self.session.load_state_dict(loaded)
                 return
             why = (
-                f"{folder!r} is not the checkpoint resumed from (its {TRAINER_STATE_NAME} differs)"
+                f"{path!r} holds a recording callback's state, not this one's"
+                if recorders
+                else f"{folder!r} is not the checkpoint resumed from (its {TRAINER_STATE_NAME} "
+                "differs)"
             )
         warnings.warn(
             f"resuming at step {state.global_step}, but {why}: the FSLR state starts afresh. "

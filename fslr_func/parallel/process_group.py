@@ -64,8 +64,8 @@ def next_seed() -> int:
         >>> next_seed() == next_seed()
         True
     """
-    with torch.random.fork_rng(devices=[]):
-        return int(torch.randint(0, 2**62, ()).item())
+    with torch.random.fork_rng(devices=[]):  # the CPU generator, whatever the default device
+        return int(torch.randint(0, 2**62, (), device="cpu").item())
 
 
 def broadcast_seed(seed: int | None, group: ProcessGroup = None) -> int:

@@ -161,7 +161,8 @@ def _warn_if_other_optimizer(base: FSLRRecord, optimizer: torch.optim.Optimizer)
     transfer nothing (``meta["optimizer"]``; ``"A+B"`` for a Recorder over several)."""
     recorded = base.meta.get("optimizer")
     name = type(update_rule(optimizer)).__name__
-    if isinstance(recorded, str) and name not in recorded.split("+"):
+    names = {name, type(optimizer).__name__}  # a ZeRO record of an earlier version: its name
+    if isinstance(recorded, str) and not names & set(recorded.split("+")):
         warnings.warn(
             f"FLeRM's base record was made with {recorded} and this optimiser is {name}: "
             "FSLRs at learning rate 1 depend on the optimiser's update rule, so the rates set "

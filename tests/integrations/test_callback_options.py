@@ -46,6 +46,7 @@ def test_a_recording_callbacks_bad_options_are_refused_when_it_is_built(
         ({"policy": "nope"}, ValueError, "unknown policy 'nope'"),
         ({"mode": "periodic", "every": 0}, ValueError, "every must be"),
         ({"base_lr": 0.1}, TypeError, "'base_lr', which FLeRM does not take"),
+        ({"mode": "periodic", "every": None}, ValueError, "needs every=N"),
     ],
 )
 def test_a_driving_callbacks_bad_options_are_refused_when_it_is_built(
@@ -74,7 +75,23 @@ def test_good_options_are_taken() -> None:
         def __getitem__(self, i: int) -> dict[str, list[int]]:
             return {"input_ids": [1, 2, i]}
 
+    class Stream(torch.utils.data.IterableDataset[dict[str, list[int]]]):
+        """Its own iterator, started again at each ``__iter__`` (a common pattern)."""
+
+        def __iter__(self) -> Stream:
+            self.i = 0
+            return self
+
+        def __next__(self) -> dict[str, list[int]]:
+            self.i += 1
+            if self.i > 3:
+                raise StopIteration
+            return {"input_ids": [1, 2, self.i]}
+
     RecordingCallback(PROBES, every=2, warmup_samples=4, fslr_options={"samples": 4, "seed": 0})
+    # the distributed wrapper's options, which with_fslr passes on
+    RecordingCallback(PROBES, fslr_options={"distributed": True, "omega_draw": "local"})
+    RecordingCallback(Stream())
     for probes in (TensorDataset(torch.randn(4, 3)), Rows(), DataLoader(Rows(), batch_size=2)):
         RecordingCallback(probes)
     DrivingCallback(base(), PROBES, mode="periodic", every=5, policy="share_blocks")

@@ -368,3 +368,8 @@ def test_flerm_and_a_recorder_on_one_trainer_save_and_resume_both(tmp_path: Path
     resumed = run(32, tmp_path / "wide", flerm, resume=str(checkpoint))
     for a, b in zip(whole.model.parameters(), resumed.model.parameters(), strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+    # a run checkpointed with the recording callback only, resumed with FLeRM added: FLeRM
+    # finds no state of its own, and the recorder's is not one: it starts afresh, said once
+    run(32, tmp_path / "recorded", both()[1:])
+    with pytest.warns(RuntimeWarning, match="holds a recording callback's state"):
+        run(32, tmp_path / "recorded", both(), resume=str(tmp_path / "recorded" / "checkpoint-3"))

@@ -413,6 +413,14 @@ def _check_this_sessions_rules(rank: int) -> None:
     with pytest.raises(ValueError, match=where):
         ff.with_fslr(DistributedDataParallel(scaled), samples=2, seed=0).observe((x, scale), delta)
 
+    overlapped = ZeroRedundancyOptimizer(
+        model.parameters(), optimizer_class=torch.optim.Adam, lr=1e-2, overlap_with_ddp=True
+    )  # its step runs in DDP's communication hook: nothing for FLeRM to scale
+    base = ff.FSLRRecord(meta={"base_lr": 1e-2, "optimizer": "Adam"})
+    base.append(0, {n: 1.0 for n, _ in model.named_parameters()})
+    wide = ff.with_fslr(DistributedDataParallel(model), samples=2, seed=0)
+    with pytest.raises(ValueError, match="overlap_with_ddp=True"):
+        ff.FLeRM(wide, overlapped, base, probe_batches=[x])
     for rule, refused in ((torch.optim.Rprop, True), (torch.optim.Adam, False)):
         zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=rule, lr=1e-2)
         base = ff.FSLRRecord(meta={"base_lr": 1e-2, "optimizer": "Adam"})

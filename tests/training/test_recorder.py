@@ -296,3 +296,8 @@ def test_wrapping_without_a_seed_leaves_the_runs_own_random_draws_as_they_were()
     assert torch.equal(torch.rand(3), want)
     torch.manual_seed(0)
     assert ff.with_fslr(net, samples=2).seed == first.seed  # still reproducible
+    torch.set_default_device("meta")  # the CPU generator's draw, whatever the default device
+    try:
+        assert ff.with_fslr(net, samples=2).seed == first.seed
+    finally:
+        torch.set_default_device(None)
