@@ -41,6 +41,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as forward_ad
 from torch import Tensor
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
@@ -51,6 +52,7 @@ __all__ = [
     "CutFinder",
     "DisconnectedOutputError",
     "check_connected",
+    "cut_behind_message",
     "cut_error",
     "disconnected_output_error",
     "partly_cut_message",
@@ -80,6 +82,21 @@ def _reached(output: Tensor) -> set[int]:
     return reached
 
 
+def _detaches(func: Any) -> bool:
+    """Whether ``func`` returns its tensor out of the autograd graph: ``detach``,
+    ``detach_``, ``new_tensor`` (a copy without grad) and the ``.data`` attribute.
+
+    Examples:
+        >>> _detaches(Tensor.detach), _detaches(Tensor.add)
+        (True, False)
+    """
+    if func is Tensor.detach or func is torch.detach or func is Tensor.detach_:
+        return True
+    if func is Tensor.new_tensor:
+        return True
+    return getattr(func, "__self__", None) is Tensor.data and func.__name__ == "__get__"
+
+
 class CutFinder(TorchFunctionMode):
     """Notes the probed tensors used with gradients off; :meth:`cut` names the lost ones.
 
@@ -93,6 +110,7 @@ class CutFinder(TorchFunctionMode):
         self._views: dict[int, str] = {}
         self._kept: list[Tensor] = []  # the views, alive while their ids are keys above
         self._cut_use: set[str] = set()
+        self._cut_activation: set[str] = set()  # behind an activation taken out of the graph
         self._detached: set[str] = set()
         self.gradient_hooks = 0
         """Calls of ``Tensor.register_hook`` during the forward (see :data:`HOOK_WARNING`)."""
@@ -111,12 +129,15 @@ class CutFinder(TorchFunctionMode):
             if isinstance(leaf, Tensor)
             and (name := self._names.get(id(leaf), self._views.get(id(leaf)))) is not None
         }
-        detach = func is Tensor.detach or func is torch.detach
+        detach = _detaches(func)
         self.gradient_hooks += func is Tensor.register_hook
-        if named and (detach or not torch.is_grad_enabled()):
+        grad_off = not torch.is_grad_enabled()
+        if named and (detach or grad_off):
             self._cut_use |= named
             if detach:
                 self._detached |= named
+        elif detach or grad_off:
+            self._note_cut_activations(args, kwargs, detach)
         result = func(*args, **kwargs)
         if len(named) == 1 and isinstance(result, Tensor) and result._is_view():
             # A view of a probed tensor (a slice, a transpose): its later uses are the
@@ -126,10 +147,29 @@ class CutFinder(TorchFunctionMode):
             self._kept.append(result)
         return result
 
+    def _note_cut_activations(self, args: Any, kwargs: Any, detach: bool) -> None:
+        """An activation of probed tensors taken out of the graph (``h.detach()``, ``h`` used
+        under ``no_grad``, ``w.clone().detach_()``): the probed tensors its graph leads back
+        to, or under forward AD (``exact``) the probed tensor whose tangent it carries, which
+        a detach drops (``no_grad`` does not stop tangents)."""
+        for leaf in tree_flatten((args, kwargs))[0]:
+            if not isinstance(leaf, Tensor):
+                continue
+            if detach and forward_ad.unpack_dual(leaf).tangent is not None:  # type: ignore[no-untyped-call]
+                self._cut_activation |= set(self._names.values())
+            elif leaf.requires_grad and leaf.grad_fn is not None:
+                reached = _reached(leaf)
+                self._cut_activation |= {n for i, n in self._names.items() if i in reached}
+
     @property
     def used_without_grad(self) -> set[str]:
         """Probed tensors some operation used with gradients off, or detached."""
         return set(self._cut_use)
+
+    @property
+    def behind_cut_activations(self) -> set[str]:
+        """Probed tensors behind an activation the forward took out of the graph."""
+        return set(self._cut_activation)
 
     @property
     def detached(self) -> set[str]:
@@ -138,10 +178,19 @@ class CutFinder(TorchFunctionMode):
 
     def cut(self, output: Tensor) -> list[str]:
         """Probed tensors used with gradients off that the graph of ``output`` does not reach."""
-        if not self._cut_use:
+        return self._unreached(output, self._cut_use)
+
+    def cut_behind(self, output: Tensor) -> list[str]:
+        """Probed tensors the graph of ``output`` reaches only through an activation the
+        forward took out of it (``h.detach()``, ``h`` used under ``no_grad``): their
+        gradients, and FSLRs, read 0, as a straight-through estimator's codebook does."""
+        return [n for n in self._unreached(output, self._cut_activation) if n not in self._cut_use]
+
+    def _unreached(self, output: Tensor, names: set[str]) -> list[str]:
+        if not names:
             return []
         reached = _reached(output) if output.requires_grad else set()
-        return sorted(n for i, n in self._names.items() if n in self._cut_use and i not in reached)
+        return sorted(n for i, n in self._names.items() if n in names and i not in reached)
 
     def partly_cut(self, output: Tensor) -> tuple[list[str], list[str]]:
         """Probed tensors used out of the graph that the graph of ``output`` still reaches.
@@ -198,6 +247,18 @@ HOOK_WARNING = (
     "leaves out, or ignore this if the hooks only observe"
 )
 """The warning for ``Tensor.register_hook`` inside the forward."""
+
+
+def cut_behind_message(names: Sequence[str]) -> str:
+    """The warning for tensors the output reaches only through a detached activation."""
+    return (
+        f"the forward took an activation of {list(names)} out of the autograd graph "
+        "(h.detach(), h used under torch.no_grad, a straight-through estimator's "
+        "(z_q - z).detach()) and the output depends on them only through it: their gradients, "
+        "and so the probe's FSLRs, read 0 however the function moves (exact's forward mode "
+        "drops a .detach() too, but sees through torch.no_grad). Keep the activation in the "
+        "graph to measure them"
+    )
 
 
 def partly_cut_message(detached: Sequence[str], no_grad: Sequence[str] = ()) -> str:

@@ -29,6 +29,7 @@ from torch.func import jvp
 from ..stats.statistics import scale_exponent
 from .connectivity import (
     CutFinder,
+    cut_behind_message,
     cut_error,
     disconnected_output_error,
     partly_cut_message,
@@ -43,8 +44,8 @@ from .functional import (
     check_inputs,
     check_output,
     evaluation_point,
-    infinite_input_error,
     model_forward,
+    nonfinite_fslr_error,
     substituted,
 )
 from .options import check_forward_seed
@@ -146,6 +147,8 @@ def exact(
             depends[name] = dual is not None or reaches(out, w)
             if not depends[name] and name in cuts.used_without_grad:
                 raise cut_error([name])
+            if not depends[name] and name in cuts.behind_cut_activations:
+                warn_once(model, "cut-behind", cut_behind_message([name]))
             if depends[name] and name in cuts.detached:
                 warn_once(model, "partly-cut", partly_cut_message([name]))
             return out
@@ -185,7 +188,8 @@ def exact(
         tangent = tangent.detach()  # an input with requires_grad gives J dW a graph to it
         result[name] = torch.ldexp(tangent.to(torch.float64).square().mean().sqrt(), -k)
         if not torch.isfinite(result[name]):
-            infinite_input_error(result, infinite)
+            if infinite:  # else forward mode overflowed: the message below
+                nonfinite_fslr_error(result, infinite)
             raise ValueError(
                 f"J dW of {name!r} is not finite in the model's dtype {primal.dtype} even for "
                 "the update scaled to a largest entry of 1 (forward mode and a double vjp "

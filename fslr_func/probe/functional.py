@@ -446,7 +446,7 @@ def check_inputs(inputs: Inputs, *, finite: bool = True) -> list[str]:
 
     An infinite entry can be an input's own business (a causal mask of 0 and ``-inf``, as
     ``nn.Transformer.generate_square_subsequent_mask`` makes); the inputs holding one are
-    returned, for :func:`infinite_input_error` to name where an FSLR comes out non-finite.
+    returned, for :func:`nonfinite_fslr_error` to name where an FSLR comes out non-finite.
     One empty tensor beside others is valid too (a memory of length 0 at a sequence's start);
     only a batch whose every tensor is empty is an empty batch.
 
@@ -492,20 +492,31 @@ def check_inputs(inputs: Inputs, *, finite: bool = True) -> list[str]:
     return infinite
 
 
-def infinite_input_error(fslr: Mapping[str, Tensor], infinite: Sequence[str]) -> None:
-    """Raise where an FSLR came out non-finite from a batch with infinite inputs.
+def nonfinite_fslr_error(fslr: Mapping[str, Tensor], infinite: Sequence[str]) -> None:
+    """Raise where an FSLR came out NaN or infinite from inputs and an output that passed
+    their checks: an infinite input that reached a gradient (named), or a gradient that is
+    NaN from finite values (``torch.where(h > 0, h.sqrt(), 0)``, whose backward is NaN where
+    ``h < 0``).
 
     Raises:
-        ValueError: naming the tensors and the inputs (an infinite entry reached their
-            gradients: data, not a mask).
+        ValueError: naming the tensors, and the infinite inputs if there are any.
     """
-    bad = [n for n, v in fslr.items() if not bool(torch.isfinite(v))]
-    if bad and infinite:
+    bad = [n for n, v in fslr.items() if not bool(torch.isfinite(v).all())]
+    if not bad:
+        return
+    if infinite:
         raise ValueError(
             f"the FSLRs of {bad[:10]} are not finite: the probe batch has Inf entries in "
             f"{list(infinite)}, which reach their gradients (an additive mask of -inf is "
             "fine where it meets no parameter); clean or skip the batch"
         )
+    raise ValueError(
+        f"the FSLRs of {bad[:10]} are not finite although the inputs, the update and the "
+        "output are: the backward gives those tensors NaN gradients (an operation whose "
+        "derivative is NaN or infinite where the forward is finite, as torch.where(h > 0, "
+        "h.sqrt(), 0) at h < 0: use h.clamp(min=0).sqrt()); exact (forward mode) may still "
+        "give a finite value"
+    )
 
 
 def is_dtensor(t: object) -> bool:

@@ -49,7 +49,7 @@ from ..stats.estimator import (
 )
 from ..stats.statistics import ProductStatistics, ScaledUpdate
 from .fallback import first_line, warn_once
-from .functional import Inputs, check_inputs, infinite_input_error
+from .functional import Inputs, check_inputs, nonfinite_fslr_error
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
 from .split_head import SplitHead
 from .vjp import VjpSetup, prepare_vjp
@@ -660,5 +660,5 @@ def estimate(
     )
     fslr = result.fslr(estimator)
     if fslr and not bool(torch.stack(list(fslr.values())).isfinite().all()):  # one host read
-        infinite_input_error(fslr, check_inputs(inputs))  # an Inf input reached a gradient
+        nonfinite_fslr_error(fslr, check_inputs(inputs))  # an Inf input, or a NaN gradient
     return fslr

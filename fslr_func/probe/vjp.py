@@ -40,7 +40,13 @@ from torch import Tensor, nn
 from torch.func import vjp, vmap
 
 from ..stats.estimator import ReadoutRole, grouped_shape
-from .connectivity import HOOK_WARNING, CutFinder, check_connected, partly_cut_message
+from .connectivity import (
+    HOOK_WARNING,
+    CutFinder,
+    check_connected,
+    cut_behind_message,
+    partly_cut_message,
+)
 from .fallback import first_line, warn_once
 from .forward_cache import KnownForward, known, probe_signature, remember
 from .functional import (
@@ -369,6 +375,9 @@ def prepare_vjp(
         detached, no_grad = cuts.partly_cut(out)
         if detached or no_grad:
             warn_once(model, "partly-cut", partly_cut_message(detached, no_grad))
+        behind = cuts.cut_behind(out)
+        if behind:
+            warn_once(model, "cut-behind", cut_behind_message(behind))
         if cuts.gradient_hooks:
             warn_once(model, "tensor-hook", HOOK_WARNING)
         if finder is not None:

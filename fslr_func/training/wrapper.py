@@ -39,7 +39,7 @@ from ..probe.functional import (
     check_not_meta,
     check_not_scripted,
     check_single_process,
-    infinite_input_error,
+    nonfinite_fslr_error,
 )
 from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
@@ -306,7 +306,7 @@ class FSLRModule(nn.Module):
             )
             if strict and (nan := [n for n, v in result.log_stats.items() if v.isnan().any()]):
                 # an Inf input reaching a gradient; named rather than left out
-                infinite_input_error(
+                nonfinite_fslr_error(
                     dict.fromkeys(nan, torch.tensor(math.nan)), self._infinite(batch)
                 )
             self.resolved_strategy = result.strategy

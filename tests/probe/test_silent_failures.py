@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -667,3 +668,91 @@ def test_observe_names_an_infinite_input_that_reaches_a_gradient_and_takes_a_mas
     inputs = {"x": torch.randn(3, 5, 8), "mask": mask, "memory": torch.zeros(3, 0, 8)}
     got = masked.observe(inputs, updates(masked.module))
     assert all(bool(torch.isfinite(v)) for v in got.values())
+
+
+class Spelled(nn.Module):
+    """A weight taken out of the graph by a spelling other than ``.detach()``."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+        self.how = how
+
+    def forward(self, x: Tensor) -> Tensor:
+        w = {
+            "data": lambda: self.a.weight.data,
+            "new_tensor": lambda: x.new_tensor(self.a.weight),
+        }[self.how]()
+        return self.b(torch.tanh(x @ w.T + self.a.bias))
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+@pytest.mark.parametrize("how", ["data", "new_tensor"])
+def test_a_weight_read_through_data_or_copied_out_of_the_graph_is_refused(
+    func: str, how: str
+) -> None:
+    """``w.data`` and ``x.new_tensor(w)`` read 0 silently, where ``w.detach()`` is refused."""
+    model = Spelled(how)
+    with pytest.raises(ValueError, match=r"cut \['a.weight'\] out of the autograd graph"):
+        ONE_SHOT[func](model, torch.randn(5, 4), updates(model))
+
+
+class StraightThrough(nn.Module):
+    """A vector-quantising straight-through estimator: the codebook reaches the output only
+    through ``(z_q - z).detach()`` (its own loss trains it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.enc, self.codebook, self.dec = (
+            nn.Linear(4, 3),
+            nn.Parameter(torch.randn(5, 3)),
+            nn.Linear(3, 2),
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        z = self.enc(x)
+        z_q = self.codebook[torch.cdist(z, self.codebook).argmin(-1)]
+        return self.dec(z + (z_q - z).detach())
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_tensors_behind_a_detached_activation_are_named_once_and_training_goes_on(
+    func: str,
+) -> None:
+    """``h.detach()`` on an activation (or ``h`` used under ``no_grad``) left the tensors
+    behind it reading 0 without a word; a straight-through estimator does it by design, so
+    it is a warning naming them, not an error."""
+    torch.manual_seed(0)
+    model = type(f"StraightThrough_{func}", (StraightThrough,), {})()  # warned once per class
+    with pytest.warns(RuntimeWarning, match=r"activation of \['codebook'\] out of the autograd"):
+        got = ONE_SHOT[func](model, torch.randn(6, 4), updates(model))
+    assert float(got["codebook"]) == 0.0 and float(got["enc.weight"]) > 0
+    fm = ff.with_fslr(StraightThrough(), samples=2, seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for _ in range(2):
+            opt.zero_grad()
+            fm(torch.randn(6, 4)).square().mean().backward()
+            with fm.measure(opt, torch.randn(6, 4)):
+                opt.step()
+    assert fm.fslr()["enc.weight"] > 0
+
+
+class SqrtWhere(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 6), nn.Linear(6, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.a(x)
+        return self.b(torch.where(h > 0, h.sqrt(), torch.zeros_like(h)))
+
+
+def test_an_estimate_that_comes_out_nan_from_finite_values_is_an_error() -> None:
+    """``torch.where(h > 0, h.sqrt(), 0)``: sqrt's backward is NaN where ``h < 0``, so the
+    estimate returned NaN, silently, from a finite batch, update and output."""
+    torch.manual_seed(0)
+    model = SqrtWhere()
+    with pytest.raises(ValueError, match=r"not finite although the inputs.*clamp\(min=0\)"):
+        ff.estimate(model, torch.randn(8, 4), updates(model), samples=2)
