@@ -198,7 +198,13 @@ class SweepCache:
         """
         if (lr, seed) not in self._records:
             rec = _load_record(self._record_path(lr, seed))
-            ok = rec is not None and rec.meta.get("fingerprint") == self.fingerprint
+            # the record of this rate and seed: one copied under another file name is not
+            ok = (
+                rec is not None
+                and rec.meta.get("fingerprint") == self.fingerprint
+                and rec.meta.get("base_lr") == lr
+                and rec.meta.get("seed") == seed
+            )
             self._records[lr, seed] = rec if ok else None
         return self._records[lr, seed]
 

@@ -640,6 +640,7 @@ class StepController:
                 f"this {self.kind} state's 'noted' is {noted!r}, not a list of strings: it is "
                 "damaged or edited; load the state as it was saved"
             )
+        self._feed.check_skip(used)
         self._load_own_state(state)  # checks its own fields before it changes any
         self.t, self._owed = t, owed
         self._stalled_since, self._stall_steps = since, stall_steps

@@ -138,8 +138,30 @@ class ProbeFeed:
         self._returned: list[Inputs] = []
         self.used = 0
 
+    def check_skip(self, used: int) -> None:
+        """Refuse a resume after ``used`` batches that a one-shot iterator already drawn
+        from cannot give: it cannot start again (a state loaded back into the live objects,
+        a rollback, would skip ``used`` batches from where the run stopped, not from the
+        start).
+
+        Raises:
+            ValueError: the source is a one-shot iterator, drawn from, at another position.
+        """
+        if not self._cycles and self._it is not None and used != self.used:
+            raise ValueError(
+                f"the probe batches are a one-shot iterator (a generator) that this run has "
+                f"drawn {self.used} batches from, and the state resumes after {used}: it "
+                "cannot start again. Load the state into freshly built objects with a fresh "
+                "iterator, or give probe batches that can be gone through again (a list, a "
+                "DataLoader)"
+            )
+
     def skip(self, used: int) -> None:
-        """Resume after ``used`` batches: they are discarded from a fresh iterator at next draw."""
+        """Resume after ``used`` batches: they are discarded from a fresh iterator at next draw
+        (a one-shot iterator drawn from is at that position already: :meth:`check_skip`)."""
+        self.check_skip(used)
+        if not self._cycles and self._it is not None:
+            return
         self._it = None
         self._returned = []
         self._pending = used

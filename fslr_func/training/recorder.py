@@ -214,7 +214,7 @@ class Recorder(StepController):
         )
         self._sched = 1.0
         self._stepping: list[torch.optim.Optimizer] = []
-        self._first_lrs: dict[tuple[int, int], float] = {}  # groups without an initial_lr
+        self._first_lrs: dict[tuple[int, int], float] = {}  # (optimiser, group) without initial_lr
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -246,10 +246,11 @@ class Recorder(StepController):
         for o in optimizers:
             for j, g in enumerate(o.param_groups):
                 lr = group_lr(g)
+                key = (self.optimizers.index(o) if o in self.optimizers else 0, j)
                 first = (
                     group_lr({"lr": g["initial_lr"]})
                     if "initial_lr" in g
-                    else self._first_lrs.setdefault((id(o), j), lr)
+                    else self._first_lrs.setdefault(key, lr)
                 )
                 if first:
                     ratios.append(lr / first)
@@ -336,11 +337,19 @@ class Recorder(StepController):
             self.log_fn(step, {f"fslr/{n}": v for n, v in fslr.items() if v is not None})
 
     def _own_state(self) -> dict[str, Any]:
-        return {"record": self.record.to_dict()}
+        # the first rates of groups without an initial_lr: a cut by hand after a resume is
+        # still a split of the groups' schedules
+        first = [[i, j, lr] for (i, j), lr in self._first_lrs.items()]
+        return {"record": self.record.to_dict(), "first_lrs": first}
 
     def _load_own_state(self, state: Mapping[str, Any]) -> None:
         if "record" not in state:
             raise ValueError("this Recorder state lacks 'record': it is damaged or edited")
         record = FSLRRecord.from_dict(state["record"], source="the Recorder state")
         record.meta.setdefault("sched_per_step", [])
+        try:  # absent from states saved before it was kept
+            first = {(int(i), int(j)): float(lr) for i, j, lr in state.get("first_lrs", [])}
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"this Recorder state's 'first_lrs' is damaged or edited ({e})") from e
         self.record = record
+        self._first_lrs = first

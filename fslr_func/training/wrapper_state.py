@@ -57,6 +57,7 @@ class FSLRModule(Protocol):
     ema: EMA
     readout_roles: dict[str, ReadoutRole]
     generators: dict[str, torch.Generator]
+    seed: int
     probes: int
     reported: DropReports
     loading_prefix: str | None
@@ -146,6 +147,9 @@ def extra_state(fm: FSLRModule) -> dict[str, Any]:
         "ema": _renamed(fm.ema.state_dict(), lambda n: n.removeprefix(bare)),
         "readout_roles": {n.removeprefix(bare): r for n, r in fm.readout_roles.items()},
         "generators": {k: g.get_state() for k, g in fm.generators.items()},
+        # the seed of generators not made yet (none before the first probe): a run resumed
+        # into a wrapper built without seed= draws the saved run's omegas
+        "seed": fm.seed,
         "probes": fm.probes,
         "resolved_strategy": fm.resolved_strategy,
         "readout_scales": {
@@ -210,6 +214,7 @@ def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
         saved_generators = state.get("generators", {"cpu": state.get("generator")})
         generators = _restored_generators(saved_generators)
         probes = int(state.get("probes", 0))
+        seed = int(state.get("seed", fm.seed))
         scales = {prefix + n: float(c) for n, c in state.get("readout_scales", {}).items()}
     except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
         raise ValueError(
@@ -220,6 +225,7 @@ def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
         raise ValueError(f"this FSLRModule state's 'probes' is {probes}, not a count (>= 0)")
     vars(fm.ema).update(vars(ema))
     fm.readout_roles, fm.generators, fm.probes = roles, generators, probes
+    fm.seed = seed
     fm.reported = DropReports({n: int(v) for n, v in fm.ema.dropped.items()})
     fm.resolved_strategy = state.get("resolved_strategy", fm.options.strategy)
     if "readout_scales" in state:  # the weights loaded are scaled where the saved ones were

@@ -479,3 +479,21 @@ def test_periodic_flerm_resets_every_every_steps(tmp_path: Path) -> None:
     cfg = tiny_config(seeds=1, lrs=(0.02,), flerm_mode="periodic")
     run = _sweep(cfg, tmp_path).runs[RunSpec("flerm", 2.0, 0.02, 0).key]
     assert run["flerm"]["set_points"] == [0, 3]  # steps = 6, every = 3
+
+
+def test_the_cache_takes_a_base_record_only_under_its_own_rate_and_seed(tmp_path: Path) -> None:
+    """A record copied under another file name (another rate's, a sync tool's rename) was
+    used for the rate of its name: the FLeRM runs of that rate came out wrong, silently."""
+    from fslr_func.experiments.cache import SweepCache
+    from fslr_func.io.record import FSLRRecord
+
+    cache = SweepCache(tmp_path, "fp", [0])
+    (tmp_path / "records").mkdir()
+    record = FSLRRecord(steps=[0], fslr={"w": [1.0]}, meta={"base_lr": 2.0**-8, "seed": 0})
+    record.meta["fingerprint"] = "fp"
+    record.save(tmp_path / "records" / "lr=0.00390625_seed=0.json")
+    record.save(tmp_path / "records" / "lr=0.015625_seed=0.json")  # mislabeled
+    record.save(tmp_path / "records" / "lr=0.00390625_seed=1.json")  # mislabeled seed
+    assert cache.record(2.0**-8, 0) is not None
+    assert cache.record(2.0**-6, 0) is None
+    assert cache.record(2.0**-8, 1) is None

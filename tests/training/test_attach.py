@@ -495,3 +495,36 @@ def test_the_wrappers_buffers_are_freed_when_no_probe_is_due_soon(every: int | N
     kept = len(fm._snapshots._buffers) + len(fm._updates._buffers)
     assert rec.record.steps[0] == 0
     assert kept == (8 if every == 2 else 0)  # 4 tensors, two buffers each
+
+
+def test_an_unseeded_wrapper_resumed_before_its_first_probe_draws_the_saved_runs_omegas() -> None:
+    """The wrapper's seed was not in its state, and its omega generators are made at the
+    first probe: a run checkpointed before it (a late ``start_step``) and resumed into a
+    wrapper built without ``seed=`` after another RNG state probed with other omegas."""
+    torch.manual_seed(0)
+    net = model().module
+    first = ff.with_fslr(net, samples=4)
+    state = first.state_dict()
+    torch.manual_seed(1)  # the resumed process's RNG is elsewhere
+    resumed = ff.with_fslr(net, samples=4)
+    assert resumed.seed != first.seed
+    resumed.load_state_dict(state)
+    assert resumed.seed == first.seed
+
+
+def test_a_state_loaded_back_into_a_run_drawing_from_a_generator_is_refused() -> None:
+    """A rollback (the step-2 state loaded into the live objects at step 6) skipped the used
+    batches from where the generator stood, not from its start: other probe batches, other
+    rates, silently. A one-shot iterator cannot start again: refused, nothing changed."""
+    fm = model()
+    opt = torch.optim.Adam(fm.parameters(), lr=1e-2)
+    rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=1)
+    with rec.attach():
+        train(fm, [opt], 2)
+        saved = rec.state_dict()
+        train(fm, [opt], 2)
+    t, record = rec.t, rec.record.to_dict()
+    with pytest.raises(ValueError, match=r"one-shot iterator .* cannot start again"):
+        rec.load_state_dict(saved)
+    assert rec.t == t and rec.record.to_dict() == record
+    rec.load_state_dict(rec.state_dict())  # its own position: nothing to rewind

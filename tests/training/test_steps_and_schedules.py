@@ -697,3 +697,30 @@ def test_param_groups_on_different_schedules_need_the_scaled_runs_own_scheduler(
     schedule = {n: v / (1e-2 * flerm.ratios[n]) for n, v in lrs.items()}
     expected = {"0.weight": 0.25, "0.bias": 0.25, "2.weight": 1.0, "2.bias": 1.0}
     assert schedule == pytest.approx(expected, rel=1e-9)
+
+
+def test_a_groups_rate_cut_by_hand_after_a_resume_still_splits_the_schedules() -> None:
+    """Without a scheduler, the first rate of each group is what a cut is measured against;
+    it was not in the Recorder's state, so a run resumed before the cut took the cut rate as
+    the first and lost ``sched_groups_differ_at``."""
+
+    def run(resume_at: int | None) -> FSLRRecord:
+        fm = model()
+        params = list(fm.parameters())
+        opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2)
+        rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=2)
+        for t in range(6):
+            if t == resume_at:
+                state = rec.state_dict()
+                rec = Recorder(fm, stream(), optimizer=opt, warmup_samples=8, every=2)
+                rec.load_state_dict(state)
+            if t == 4:
+                opt.param_groups[1]["lr"] = 1e-3  # by hand, no scheduler
+            opt.zero_grad()
+            backward(fm, t)
+            with rec.step():
+                opt.step()
+        return rec.record
+
+    assert run(None).meta["sched_groups_differ_at"] == 4
+    assert run(4).meta["sched_groups_differ_at"] == 4  # resumed just before the cut
