@@ -65,10 +65,11 @@ def reaches(output: Tensor, tensor: Tensor) -> bool:
     return output.requires_grad and id(tensor) in _reached(output)
 
 
-def _reached(output: Tensor) -> set[int]:
-    """``id``s of the leaf tensors the autograd graph of ``output`` leads back to."""
+def _reached(output: Tensor, seen: set[Any] | None = None) -> set[int]:
+    """``id``s of the leaf tensors the autograd graph of ``output`` leads back to, leaving
+    out the nodes of ``seen`` (added to it), walked before."""
     reached: set[int] = set()
-    seen: set[Any] = set()
+    seen = set() if seen is None else seen
     stack = [output.grad_fn]
     while stack:
         node = stack.pop()
@@ -83,17 +84,19 @@ def _reached(output: Tensor) -> set[int]:
 
 
 def _detaches(func: Any) -> bool:
-    """Whether ``func`` returns its tensor out of the autograd graph: ``detach``,
-    ``detach_``, ``new_tensor`` (a copy without grad) and the ``.data`` attribute.
+    """Whether ``func`` returns its tensor out of the autograd graph (``detach``,
+    ``detach_``). ``.data`` and ``new_tensor`` are followed apart: reading ``w.data.dtype``
+    or making ``w.new_tensor([1.0])`` uses no value of ``w``.
 
     Examples:
         >>> _detaches(Tensor.detach), _detaches(Tensor.add)
         (True, False)
     """
-    if func is Tensor.detach or func is torch.detach or func is Tensor.detach_:
-        return True
-    if func is Tensor.new_tensor:
-        return True
+    return func is Tensor.detach or func is torch.detach or func is Tensor.detach_
+
+
+def _reads_data(func: Any) -> bool:
+    """Whether ``func`` is the read of a tensor's ``.data`` (the tensor out of the graph)."""
     return getattr(func, "__self__", None) is Tensor.data and func.__name__ == "__get__"
 
 
@@ -111,6 +114,8 @@ class CutFinder(TorchFunctionMode):
         self._kept: list[Tensor] = []  # the views, alive while their ids are keys above
         self._cut_use: set[str] = set()
         self._cut_activation: set[str] = set()  # behind an activation taken out of the graph
+        self._data: dict[int, str] = {}  # w.data of a probed w, by id (kept alive in _kept)
+        self._walked: set[Any] = set()  # graph nodes walked for cut activations: each once
         self._detached: set[str] = set()
         self.gradient_hooks = 0
         """Calls of ``Tensor.register_hook`` during the forward (see :data:`HOOK_WARNING`)."""
@@ -123,13 +128,17 @@ class CutFinder(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        # new_tensor copies its data argument out of the graph; its self gives dtype and device
+        values = (args[1:], kwargs) if func is Tensor.new_tensor else (args, kwargs)
+        leaves = [leaf for leaf in tree_flatten(values)[0] if isinstance(leaf, Tensor)]
         named = {
             name
-            for leaf in tree_flatten((args, kwargs))[0]
-            if isinstance(leaf, Tensor)
-            and (name := self._names.get(id(leaf), self._views.get(id(leaf)))) is not None
+            for leaf in leaves
+            if (name := self._names.get(id(leaf), self._views.get(id(leaf)))) is not None
         }
-        detach = _detaches(func)
+        # a value of w.data used (not its dtype or shape): w taken out of the graph
+        from_data = {n for leaf in leaves if (n := self._data.get(id(leaf))) is not None}
+        detach = _detaches(func) or func is Tensor.new_tensor
         self.gradient_hooks += func is Tensor.register_hook
         grad_off = not torch.is_grad_enabled()
         if named and (detach or grad_off):
@@ -139,6 +148,13 @@ class CutFinder(TorchFunctionMode):
         elif detach or grad_off:
             self._note_cut_activations(args, kwargs, detach)
         result = func(*args, **kwargs)
+        if from_data and isinstance(result, Tensor):
+            self._cut_use |= from_data
+            self._detached |= from_data
+        if len(named) == 1 and isinstance(result, Tensor) and _reads_data(func):
+            self._data[id(result)] = next(iter(named))
+            self._kept.append(result)
+            return result
         if len(named) == 1 and isinstance(result, Tensor) and result._is_view():
             # A view of a probed tensor (a slice, a transpose): its later uses are the
             # tensor's. Under forward AD a view's ``_base`` is not the dual tensor, so views
@@ -153,12 +169,13 @@ class CutFinder(TorchFunctionMode):
         to, or under forward AD (``exact``) the probed tensor whose tangent it carries, which
         a detach drops (``no_grad`` does not stop tangents)."""
         for leaf in tree_flatten((args, kwargs))[0]:
-            if not isinstance(leaf, Tensor):
+            if not isinstance(leaf, Tensor) or leaf.is_nested:
                 continue
             if detach and forward_ad.unpack_dual(leaf).tangent is not None:  # type: ignore[no-untyped-call]
                 self._cut_activation |= set(self._names.values())
             elif leaf.requires_grad and leaf.grad_fn is not None:
-                reached = _reached(leaf)
+                # nodes walked before had their leaves noted then: the walks stay linear
+                reached = _reached(leaf, self._walked)
                 self._cut_activation |= {n for i, n in self._names.items() if i in reached}
 
     @property

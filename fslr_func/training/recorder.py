@@ -215,6 +215,7 @@ class Recorder(StepController):
         self._sched = 1.0
         self._stepping: list[torch.optim.Optimizer] = []
         self._first_lrs: dict[tuple[int, int], float] = {}  # (optimiser, group) without initial_lr
+        self._stepped_optimizers: list[torch.optim.Optimizer] = []  # given to step() only
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -246,7 +247,7 @@ class Recorder(StepController):
         for o in optimizers:
             for j, g in enumerate(o.param_groups):
                 lr = group_lr(g)
-                key = (self.optimizers.index(o) if o in self.optimizers else 0, j)
+                key = (self._optimizer_index(o), j)
                 first = (
                     group_lr({"lr": g["initial_lr"]})
                     if "initial_lr" in g
@@ -335,6 +336,15 @@ class Recorder(StepController):
         self.record.append(step, fslr, lrs={n: lrs.get(n, 0.0) for n in names}, sched=sched)
         if self.log_fn is not None:
             self.log_fn(step, {f"fslr/{n}": v for n, v in fslr.items() if v is not None})
+
+    def _optimizer_index(self, optimizer: torch.optim.Optimizer) -> int:
+        """The optimiser's place among those given at construction, or, for a Recorder given
+        its optimisers at each step, in the order they were first stepped."""
+        if optimizer in self.optimizers:
+            return self.optimizers.index(optimizer)
+        if optimizer not in self._stepped_optimizers:
+            self._stepped_optimizers.append(optimizer)
+        return len(self.optimizers) + self._stepped_optimizers.index(optimizer)
 
     def _own_state(self) -> dict[str, Any]:
         # the first rates of groups without an initial_lr: a cut by hand after a resume is

@@ -756,3 +756,30 @@ def test_an_estimate_that_comes_out_nan_from_finite_values_is_an_error() -> None
     model = SqrtWhere()
     with pytest.raises(ValueError, match=r"not finite although the inputs.*clamp\(min=0\)"):
         ff.estimate(model, torch.randn(8, 4), updates(model), samples=2)
+
+
+class ReadsMetadata(nn.Module):
+    """A device-tracking parameter read for its dtype and device only (``.data.dtype``,
+    ``new_tensor([...])``), and a weight whose statistic is logged through ``.data``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dummy = nn.Parameter(torch.zeros(1))
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x: Tensor) -> Tensor:
+        scale = self.dummy.new_tensor([1.0, 2.0, 3.0])
+        ones = torch.ones(3, dtype=self.dummy.data.dtype)
+        self.logged = self.lin.weight.data.norm()  # a logged statistic, a value of .data
+        return self.lin(x) * scale + ones + self.dummy
+
+
+@pytest.mark.parametrize("func", sorted(ONE_SHOT))
+def test_reading_a_weights_dtype_through_data_or_new_tensor_is_not_a_cut(func: str) -> None:
+    """The first rule for ``.data`` and ``new_tensor`` refused any read of them, a dtype or
+    a device included: a device-tracking parameter stopped the run at its first probe."""
+    torch.manual_seed(0)
+    model = type(f"ReadsMetadata_{func}", (ReadsMetadata,), {})()
+    with pytest.warns(RuntimeWarning, match=r"detached \['lin.weight'\]"):
+        got = ONE_SHOT[func](model, torch.randn(5, 4), updates(model))
+    assert float(got["dummy"]) > 0 and float(got["lin.weight"]) > 0

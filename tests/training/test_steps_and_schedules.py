@@ -724,3 +724,20 @@ def test_a_groups_rate_cut_by_hand_after_a_resume_still_splits_the_schedules() -
 
     assert run(None).meta["sched_groups_differ_at"] == 4
     assert run(4).meta["sched_groups_differ_at"] == 4  # resumed just before the cut
+
+
+def test_a_recorder_given_its_optimisers_at_each_step_tells_them_apart() -> None:
+    """Two optimisers at different constant rates, each stepped in its own block of a
+    Recorder built without them: their groups' first rates must not be mixed up (a false
+    ``sched_groups_differ_at`` makes FLeRM refuse the record)."""
+    fm = model()
+    first, second = list(fm.parameters())[:2], list(fm.parameters())[2:]
+    a, b = torch.optim.SGD(first, lr=1e-2), torch.optim.SGD(second, lr=1e-3)
+    rec = Recorder(fm, stream(), warmup_samples=8, every=2)
+    for t in range(4):
+        for opt in (a, b):
+            opt.zero_grad()
+            backward(fm, t)
+            with rec.step(opt):
+                opt.step()
+    assert rec.record.meta.get("sched_groups_differ_at") is None
