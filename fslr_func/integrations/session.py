@@ -71,6 +71,9 @@ FLERM_STATE_FILE = "flerm_state.pt"
 that a Trainer with both callbacks (FLeRM driving, a Recorder recording the scaled run)
 saves and resumes both."""
 
+_PROBE_OPTIONS = frozenset(f.name for f in dataclasses.fields(ProbeOptions))
+"""The probe's options, which ``with_fslr`` takes as keywords."""
+
 _RESERVED = ("fm", "probe_batches", "optimizer", "scheduler", "log_fn")
 
 
@@ -94,7 +97,7 @@ def _check_names(options: Mapping[str, Any], target: Any, what: str) -> None:
     known = set(inspect.signature(target).parameters) - {"self", "options", "model", "fm"}
     known -= {"base", "probe_batches", *_RESERVED}  # the callback's own
     if target is with_fslr:  # its **options: the probe's and the distributed wrapper's
-        known |= {f.name for f in dataclasses.fields(ProbeOptions)}
+        known |= _PROBE_OPTIONS
         known |= set(inspect.signature(DistributedFSLRModule).parameters) - {"model", "kwargs"}
     unknown = [k for k in options if k not in known]
     if unknown:
@@ -142,8 +145,7 @@ class Session:
             )
         _check_names(self.options, Recorder if self.base is None else FLeRM, "options")
         _check_names(self.fslr_options, with_fslr, "fslr_options")
-        probe_fields = {f.name for f in dataclasses.fields(ProbeOptions)}
-        ProbeOptions(**{k: v for k, v in self.fslr_options.items() if k in probe_fields})
+        ProbeOptions(**{k: v for k, v in self.fslr_options.items() if k in _PROBE_OPTIONS})
         check_estimator(self.fslr_options.get("estimator", "kron"))
         EMA(self.fslr_options.get("beta", 0.9))  # beta's range
         every = self.options.get("every", 100)

@@ -68,7 +68,7 @@ from torch import Tensor, nn
 from torch.nn.parallel import DataParallel, DistributedDataParallel
 
 from ..probe import sampling
-from ..probe.functional import Inputs, check_inputs, nonfinite_fslr_error
+from ..probe.functional import Inputs, check_inputs, nonfinite_fslr_error, nonfinite_names
 from ..probe.names import unwrapped
 from ..probe.sampling import OmegaSlice, ProbeResult
 from ..stats.estimator import Estimator, ReadoutRole, check_estimator
@@ -426,7 +426,7 @@ def estimate(
     """
     check_estimator(estimator)
     fslr = probe(model, inputs, delta, **kwargs).fslr(estimator)
-    if fslr and not bool(torch.stack(list(fslr.values())).isfinite().all()):  # on every rank
-        # an Inf in one rank's shard that reached a gradient: every rank names it
-        nonfinite_fslr_error(fslr, gathered_names(check_inputs(inputs), kwargs.get("group")))
+    if bad := nonfinite_names(fslr):  # the same on every rank: every rank names the inputs
+        infinite = gathered_names(check_inputs(inputs), kwargs.get("group"))
+        raise nonfinite_fslr_error(bad, infinite)
     return fslr

@@ -189,7 +189,7 @@ def exact(
         result[name] = torch.ldexp(tangent.to(torch.float64).square().mean().sqrt(), -k)
         if not torch.isfinite(result[name]):
             if infinite:  # else forward mode overflowed: the message below
-                nonfinite_fslr_error(result, infinite)
+                raise nonfinite_fslr_error([name], infinite)
             raise ValueError(
                 f"J dW of {name!r} is not finite in the model's dtype {primal.dtype} even for "
                 "the update scaled to a largest entry of 1 (forward mode and a double vjp "

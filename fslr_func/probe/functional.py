@@ -492,26 +492,32 @@ def check_inputs(inputs: Inputs, *, finite: bool = True) -> list[str]:
     return infinite
 
 
-def nonfinite_fslr_error(fslr: Mapping[str, Tensor], infinite: Sequence[str]) -> None:
-    """Raise where an FSLR came out NaN or infinite from inputs and an output that passed
-    their checks: an infinite input that reached a gradient (named), or a gradient that is
-    NaN from finite values (``torch.where(h > 0, h.sqrt(), 0)``, whose backward is NaN where
-    ``h < 0``).
+def nonfinite_names(fslr: Mapping[str, Tensor]) -> list[str]:
+    """The names whose FSLRs are not finite, read with one synchronisation.
 
-    Raises:
-        ValueError: naming the tensors, and the infinite inputs if there are any.
+    Examples:
+        >>> nonfinite_names({"w": torch.tensor(1.0), "b": torch.tensor(float("nan"))})
+        ['b']
     """
-    bad = [n for n, v in fslr.items() if not bool(torch.isfinite(v).all())]
-    if not bad:
-        return
+    if not fslr:
+        return []
+    finite = torch.stack([v.isfinite().all() for v in fslr.values()]).tolist()
+    return [n for n, ok in zip(fslr, finite, strict=True) if not ok]
+
+
+def nonfinite_fslr_error(bad: Sequence[str], infinite: Sequence[str]) -> ValueError:
+    """The error for FSLRs of ``bad`` that came out NaN or infinite from inputs and an output
+    that passed their checks: an infinite input that reached a gradient (``infinite``, the
+    inputs holding one, named), or a gradient that is NaN from finite values
+    (``torch.where(h > 0, h.sqrt(), 0)``, whose backward is NaN where ``h < 0``)."""
     if infinite:
-        raise ValueError(
-            f"the FSLRs of {bad[:10]} are not finite: the probe batch has Inf entries in "
+        return ValueError(
+            f"the FSLRs of {list(bad)[:10]} are not finite: the probe batch has Inf entries in "
             f"{list(infinite)}, which reach their gradients (an additive mask of -inf is "
             "fine where it meets no parameter); clean or skip the batch"
         )
-    raise ValueError(
-        f"the FSLRs of {bad[:10]} are not finite although the inputs, the update and the "
+    return ValueError(
+        f"the FSLRs of {list(bad)[:10]} are not finite although the inputs, the update and the "
         "output are: the backward gives those tensors NaN gradients (an operation whose "
         "derivative is NaN or infinite where the forward is finite, as torch.where(h > 0, "
         "h.sqrt(), 0) at h < 0: use h.clamp(min=0).sqrt()); exact (forward mode) may still "
@@ -683,15 +689,7 @@ def model_forward(
     module, prefix = compiled_inner(model)
     if prefix:
         tensors = {k.removeprefix(prefix): v for k, v in tensors.items()}
-    with (
-        transformable_attention(),
-        seeded_forward(forward_seed),
-        eager_submodules(),
-        unscaled_embedding_gradients(module),
-        backward_hooks_off(module),
-        shared_submodules_kept(module),
-        own_parametrization_cache(),
-    ):
+    with seeded_forward(forward_seed), _as_probed(module):
         try:
             return functional_call(module, dict(tensors), args, kwargs, strict=False)
         except (RuntimeError, TypeError, ValueError, IndexError) as err:
@@ -743,6 +741,23 @@ def own_parametrization_cache() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _as_probed(module: nn.Module) -> Iterator[None]:
+    """The state a probe's forward runs ``module`` in, and the backward that may recompute
+    parts of it (:func:`model_forward`, :func:`substituted`): a transformable attention
+    kernel, compiled submodules eager, embeddings without ``scale_grad_by_freq``, no
+    backward hooks, shared submodules kept, a parametrization cache of its own."""
+    with (
+        transformable_attention(),
+        eager_submodules(),
+        unscaled_embedding_gradients(module),
+        backward_hooks_off(module),
+        shared_submodules_kept(module),
+        own_parametrization_cache(),
+    ):
+        yield
+
+
+@contextlib.contextmanager
 def substituted(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[None]:
     """Keep ``tensors`` in ``model`` (as :func:`model_forward` does) for a backward pass.
 
@@ -755,13 +770,5 @@ def substituted(model: nn.Module, tensors: Mapping[str, Tensor]) -> Iterator[Non
 
     module, prefix = compiled_inner(model)
     state = {k.removeprefix(prefix): v for k, v in tensors.items()} if prefix else dict(tensors)
-    with (
-        transformable_attention(),
-        eager_submodules(),
-        unscaled_embedding_gradients(module),
-        backward_hooks_off(module),
-        shared_submodules_kept(module),
-        own_parametrization_cache(),
-        _reparametrize_module(module, state, tie_weights=True, strict=False),
-    ):
+    with _as_probed(module), _reparametrize_module(module, state, tie_weights=True, strict=False):
         yield

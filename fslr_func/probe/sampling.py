@@ -49,7 +49,7 @@ from ..stats.estimator import (
 )
 from ..stats.statistics import ProductStatistics, ScaledUpdate
 from .fallback import first_line, warn_once
-from .functional import Inputs, check_inputs, nonfinite_fslr_error
+from .functional import Inputs, check_inputs, nonfinite_fslr_error, nonfinite_names
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
 from .split_head import SplitHead
 from .vjp import VjpSetup, prepare_vjp
@@ -659,6 +659,6 @@ def estimate(
         model, inputs, delta, generator=generator, params=params, reduction=reduction, **options
     )
     fslr = result.fslr(estimator)
-    if fslr and not bool(torch.stack(list(fslr.values())).isfinite().all()):  # one host read
-        nonfinite_fslr_error(fslr, check_inputs(inputs))  # an Inf input, or a NaN gradient
+    if bad := nonfinite_names(fslr):  # an Inf input, or a NaN gradient
+        raise nonfinite_fslr_error(bad, check_inputs(inputs))
     return fslr

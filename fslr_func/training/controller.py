@@ -105,10 +105,7 @@ def optimizers_of(
         >>> optimizers_of(opt) == [opt], optimizers_of(None)
         (True, [])
     """
-    if optimizer is None:
-        return []
-    given = [optimizer] if not isinstance(optimizer, Sequence) else list(optimizer)
-    out = [unwrap_optimizer(o) for o in given]
+    out = [unwrap_optimizer(o) for o in _given(optimizer)]
     for o in out:
         if not isinstance(o, torch.optim.Optimizer):
             raise TypeError(
@@ -125,14 +122,14 @@ def _stepping_wrapper_of(
 ) -> str | None:
     """:func:`~fslr_func.training.step_hooks.stepping_wrapper` of the first given optimiser
     that is one."""
-    given = (
-        []
-        if optimizer is None
-        else [optimizer]
-        if not isinstance(optimizer, Sequence)
-        else optimizer
-    )
-    return next((w for o in given if (w := stepping_wrapper(o)) is not None), None)
+    return next((w for o in _given(optimizer) if (w := stepping_wrapper(o)) is not None), None)
+
+
+def _given(optimizer: Any) -> list[Any]:
+    """One optimiser, several, or none (``None``), as a list of what was given."""
+    if optimizer is None:
+        return []
+    return [optimizer] if not isinstance(optimizer, Sequence) else list(optimizer)
 
 
 def check_scheduler(scheduler: Any, optimizers: Sequence[torch.optim.Optimizer]) -> Any:

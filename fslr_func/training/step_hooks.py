@@ -88,13 +88,22 @@ _DELEGATING = (
 )
 
 
-def _inner(optimizer: Any) -> Any:
-    """The optimiser ``optimizer`` wraps, or None."""
-    for attribute in _INNER:
-        inner = getattr(optimizer, attribute, None)
-        if isinstance(inner, torch.optim.Optimizer) and inner is not optimizer:
-            return inner
-    return None
+def _chain(optimizer: Any) -> list[Any]:
+    """``optimizer`` and the optimisers inside it, outermost first: each level's inner one is
+    its first ``torch.optim`` optimiser among :data:`_INNER`'s attributes."""
+    chain = [optimizer]
+    while True:
+        inner = next(
+            (
+                o
+                for o in (getattr(chain[-1], a, None) for a in _INNER)
+                if isinstance(o, torch.optim.Optimizer) and o is not chain[-1]
+            ),
+            None,
+        )
+        if inner is None or any(inner is o for o in chain):
+            return chain
+        chain.append(inner)
 
 
 def unwrap_optimizer(optimizer: Any) -> Any:
@@ -114,11 +123,7 @@ def unwrap_optimizer(optimizer: Any) -> Any:
         >>> unwrap_optimizer(Wrapper()) is opt, unwrap_optimizer(opt) is opt
         (True, True)
     """
-    seen = {id(optimizer)}
-    while (inner := _inner(optimizer)) is not None and id(inner) not in seen:
-        seen.add(id(inner))
-        optimizer = inner
-    return optimizer
+    return _chain(optimizer)[-1]
 
 
 def stepping_wrapper(optimizer: Any) -> str | None:
@@ -133,19 +138,20 @@ def stepping_wrapper(optimizer: Any) -> str | None:
         >>> stepping_wrapper(Lookahead()), stepping_wrapper(opt)
         ('Lookahead', None)
     """
-    seen = {id(optimizer)}
-    while (inner := _inner(optimizer)) is not None and id(inner) not in seen:
-        # Lightning and Fabric give each wrapper a class of its own (LightningAdam,
-        # FabricAdam) derived from theirs: the classes it derives from tell
-        if not any(
-            cls.__module__.startswith(m) and cls.__name__ == c
-            for cls in type(optimizer).__mro__
-            for m, c in _DELEGATING
-        ):
-            return type(optimizer).__name__
-        seen.add(id(inner))
-        optimizer = inner
-    return None
+    # Lightning and Fabric give each wrapper a class of its own (LightningAdam, FabricAdam)
+    # derived from theirs: the classes it derives from tell
+    return next(
+        (
+            type(wrapper).__name__
+            for wrapper in _chain(optimizer)[:-1]
+            if not any(
+                cls.__module__.startswith(m) and cls.__name__ == c
+                for cls in type(wrapper).__mro__
+                for m, c in _DELEGATING
+            )
+        ),
+        None,
+    )
 
 
 def unwrap_scheduler(scheduler: Any) -> Any:

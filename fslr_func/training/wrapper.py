@@ -24,7 +24,6 @@ Examples:
 from __future__ import annotations
 
 import contextlib
-import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -305,10 +304,8 @@ class FSLRModule(nn.Module):
                 strict=strict,
             )
             if strict and (nan := [n for n, v in result.log_stats.items() if v.isnan().any()]):
-                # an Inf input reaching a gradient; named rather than left out
-                nonfinite_fslr_error(
-                    dict.fromkeys(nan, torch.tensor(math.nan)), self._infinite(batch)
-                )
+                # an Inf input reaching a gradient, or a NaN gradient: named, not left out
+                raise nonfinite_fslr_error(nan, self._infinite(batch))
             self.resolved_strategy = result.strategy
             self.readout_roles.update(result.readout)
             means = mean_valid_log_stats_all(result.log_stats)
