@@ -1276,6 +1276,18 @@ VARIANTS: dict[str, Variant] = {
         {"beta": 0.0, "samples": 32},
         recorder=_GAINS,
     ),
+    "exact": Variant(
+        _flerm(),
+        "static FLeRM with every FSLR, the base's and the scaled run's, measured exactly by "
+        "forward-mode AD (with_fslr(..., estimator='exact')) instead of estimated by kron",
+        {"estimator": "exact"},
+    ),
+    "readout_built_upstream_exact": Variant(
+        _flerm(ReadoutUpstreamFLeRM, periodic=True),
+        "readout_built_upstream with exact FSLRs (estimator='exact')",
+        {"estimator": "exact"},
+        recorder=_GAINS,
+    ),
     "hidden_sqrt": Variant(
         _hidden_width(0.5),
         "static FLeRM, hidden tensors' targets times sqrt(fan-in multiplier)",

@@ -424,7 +424,7 @@ def estimate(
     Returns:
         Tensor name -> float64 scalar FSLR, identical on every rank.
     """
-    check_estimator(estimator)
+    check_estimator(estimator, sampled=True)
     fslr = probe(model, inputs, delta, **kwargs).fslr(estimator)
     if bad := nonfinite_names(fslr):  # the same on every rank: every rank names the inputs
         infinite = gathered_names(check_inputs(inputs), kwargs.get("group"))

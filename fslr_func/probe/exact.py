@@ -18,6 +18,7 @@ dW\rangle`, after one warning: the same number, two backward passes per tensor.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
 
@@ -120,11 +121,83 @@ def exact(
         >>> exact(model, x, delta)["weight"]  # every output moves by exactly 1
         tensor(1., dtype=torch.float64)
     """
-    check_forward_seed(forward_seed)
-    tensors, point = evaluation_point(model, delta, params)
-    infinite = check_inputs(inputs)
+    return _exact(
+        model, inputs, delta, output_fn=output_fn, params=params, forward_seed=forward_seed
+    )
 
-    result = {}
+
+def exact_log_sq(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    *,
+    output_fn: OutputFn | None = None,
+    params: Mapping[str, Tensor] | None = None,
+    forward_seed: int | None = None,
+    strict: bool = True,
+) -> dict[str, Tensor]:
+    r"""Log of :math:`\|J\,dW\|^2_\mathrm{RMS}` per tensor: the statistic of the wrapper's
+    ``estimator="exact"`` (:func:`exact`'s value, squared, in log space; ``-inf`` for an update
+    that does not move the output).
+
+    Args:
+        model, inputs, delta, output_fn, params, forward_seed: as :func:`exact`.
+        strict: refuse non-finite values with :func:`exact`'s errors. ``False``, as a
+            training run's probe: what it cannot measure reads NaN, which the wrapper's EMA
+            leaves out and reports: every tensor where the inputs hold NaN, a tensor whose
+            update holds NaN or Inf, a result that is not finite.
+
+    Returns:
+        Tensor name -> float64 0-d tensor.
+
+    Examples:
+        >>> model = torch.nn.Linear(3, 2, bias=False)
+        >>> x = torch.eye(3)
+        >>> exact_log_sq(model, x, {"weight": 2 * torch.ones(2, 3)})["weight"].exp()
+        tensor(4., dtype=torch.float64)
+        >>> nan = torch.full((1, 3), float("nan"))
+        >>> exact_log_sq(model, nan, {"weight": torch.ones(2, 3)}, strict=False)["weight"]
+        tensor(nan, dtype=torch.float64)
+    """
+    values = _exact(
+        model,
+        inputs,
+        delta,
+        output_fn=output_fn,
+        params=params,
+        forward_seed=forward_seed,
+        strict=strict,
+    )
+    return {n: 2 * v.log() for n, v in values.items()}
+
+
+def _exact(
+    model: nn.Module,
+    inputs: Inputs,
+    delta: Mapping[str, Tensor],
+    *,
+    output_fn: OutputFn | None,
+    params: Mapping[str, Tensor] | None,
+    forward_seed: int | None,
+    strict: bool = True,
+) -> dict[str, Tensor]:
+    """:func:`exact`; ``strict=False`` reads NaN where it would raise for a non-finite value
+    (:func:`exact_log_sq`)."""
+    check_forward_seed(forward_seed)
+    tensors, point = evaluation_point(model, delta, params, finite=strict)
+    nan = torch.tensor(math.nan, dtype=torch.float64)
+    result: dict[str, Tensor] = {}
+    if strict:
+        infinite = check_inputs(inputs)
+    else:
+        check_inputs(inputs, finite=False)  # a meta or empty batch is an error all the same
+        try:
+            infinite = check_inputs(inputs)
+        except ValueError:  # NaN inputs: nothing of this batch is measured
+            return {n: nan.to(d.device) for n, d in delta.items()}
+        result = {n: nan.to(d.device) for n, d in delta.items() if not all_finite(d)}
+        delta = {n: d for n, d in delta.items() if n not in result}
+
     use_jvp = True
     last_state: list[dict[str, Tensor]] = []
     depends: dict[str, bool] = {}
@@ -141,7 +214,7 @@ def exact(
                 raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
                 out = as_output_tensor(raw, output_fn).reshape(-1)
             if not depends:
-                check_output(out)
+                check_output(out, finite=strict)
             # Under jvp a dependent output carries a tangent; under autograd, a graph to w.
             dual = forward_ad.unpack_dual(out).tangent  # type: ignore[no-untyped-call]
             depends[name] = dual is not None or reaches(out, w)
@@ -188,6 +261,9 @@ def exact(
         tangent = tangent.detach()  # an input with requires_grad gives J dW a graph to it
         result[name] = torch.ldexp(tangent.to(torch.float64).square().mean().sqrt(), -k)
         if not torch.isfinite(result[name]):
+            if not strict:
+                result[name] = nan.to(result[name].device)
+                continue
             if infinite:  # else forward mode overflowed: the message below
                 raise nonfinite_fslr_error([name], infinite)
             raise ValueError(
@@ -196,6 +272,6 @@ def exact(
                 "both overflow): compute exact on a float32 copy of the model "
                 "(copy.deepcopy(model).float())"
             )
-    if not any(depends.values()):
+    if not any(depends.values()) and (depends or strict):  # (not strict: all left out)
         raise disconnected_output_error()
     return result

@@ -24,8 +24,16 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..stats.estimator import ReadoutRole
+from .functional import Inputs, OutputFn, as_output_tensor, split_inputs
 
-__all__ = ["ReadoutFinder", "readout_module", "readout_roles", "rows_independent", "tied"]
+__all__ = [
+    "ReadoutFinder",
+    "find_readout",
+    "readout_module",
+    "readout_roles",
+    "rows_independent",
+    "tied",
+]
 
 
 class ReadoutFinder:
@@ -153,6 +161,32 @@ def tied(model: nn.Module, tensor: Tensor) -> bool:
         True
     """
     return sum(p is tensor for _, p in model.named_parameters(remove_duplicate=False)) != 1
+
+
+def find_readout(
+    model: nn.Module, inputs: Inputs, output_fn: OutputFn | None = None
+) -> tuple[str | None, int]:
+    """The readout module :class:`ReadoutFinder` sees compute the output of one forward on
+    ``inputs``, and the size of the output's last dim (``None`` where no module's output is
+    the model's).
+
+    The forward runs without gradients and leaves no trace: the buffers (BatchNorm's running
+    statistics) and the random streams (dropout) are as they were before it.
+
+    Examples:
+        >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+        >>> find_readout(model, torch.randn(5, 3))
+        ('1', 2)
+    """
+    args, kwargs = split_inputs(inputs)
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda), ReadoutFinder(model) as finder:
+        out = as_output_tensor(model(*args, **kwargs), output_fn)
+        found = finder.find(out)
+        for n, b in model.named_buffers():
+            b.copy_(buffers[n])
+    return found, (out.shape[-1] if out.dim() else 1)
 
 
 def readout_roles(

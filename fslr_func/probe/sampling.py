@@ -48,6 +48,7 @@ from ..stats.estimator import (
     mean_log_stats,
 )
 from ..stats.statistics import ProductStatistics, ScaledUpdate
+from .exact import exact
 from .fallback import first_line, warn_once
 from .functional import Inputs, check_inputs, nonfinite_fslr_error, nonfinite_names
 from .options import OMEGAS, OmegaKind, ProbeOptions, Strategy
@@ -97,8 +98,12 @@ class ProbeResult:
     strategy: Strategy
 
     def fslr(self, estimator: Estimator = "kron") -> dict[str, Tensor]:
-        """One-probe FSLR per tensor: the square root of the estimator on the sample means."""
-        check_estimator(estimator)
+        """One-probe FSLR per tensor: the square root of the estimator on the sample means.
+
+        Raises:
+            ValueError: ``estimator="exact"``, which is not computed from samples.
+        """
+        check_estimator(estimator, sampled=True)
         return {
             n: fslr_from_log(log_sq_norm(mean_log_stats(ls), estimator, self.readout.get(n)))
             for n, ls in self.log_stats.items()
@@ -635,7 +640,9 @@ def estimate(
     (:math:`E[\sum Z^2]`); the readout layer's tensors use the row-independent variants with
     ``kron``. ``grouping`` chooses the Kronecker factors of tensors of rank 3 or more (conv
     weights): ``"auto"`` views them as ``out x rest``; ``"dims"`` is the paper's one factor
-    per dim. See :mod:`fslr_func.stats.estimator`, :class:`~fslr_func.probe.options.ProbeOptions`
+    per dim. ``exact`` draws no omega: it is :func:`fslr_func.exact` (one forward-mode pass
+    per tensor; of the options, ``output_fn`` and ``forward_seed`` apply).
+    See :mod:`fslr_func.stats.estimator`, :class:`~fslr_func.probe.options.ProbeOptions`
     for the probe's options (``samples=8``, ``omega="gaussian"``, ``output_fn``, ``readout="auto"``,
     ``chunk_size``, ``strategy="auto"``, ``grouping="auto"``, ``forward_seed``) and
     :func:`probe` for the other arguments.
@@ -655,6 +662,21 @@ def estimate(
         ['0.bias', '0.weight', '2.bias', '2.weight']
     """
     check_estimator(estimator)
+    if estimator == "exact":
+        opts = ProbeOptions(**options)
+        if reduction is not None:
+            raise ValueError(
+                "estimator='exact' measures one process's batch: use a sampled estimator "
+                "('kron', 'full') across processes"
+            )
+        return exact(
+            model,
+            inputs,
+            delta,
+            output_fn=opts.output_fn,
+            params=params,
+            forward_seed=opts.forward_seed,
+        )
     result = probe(
         model, inputs, delta, generator=generator, params=params, reduction=reduction, **options
     )

@@ -20,7 +20,10 @@ samples of a probe (:func:`mean_log_stats`) and an exponential moving average ac
 * ``iid`` (ablation, biased): :math:`E[q_0]`;
 * readout weight (rows independent): :math:`E[q_{d=1}]`; readout bias: :math:`E[q_0]`.
 
-The FSLR is the square root of the estimate.
+The FSLR is the square root of the estimate. A fourth name, ``exact``, draws no omega: the
+wrapper (:func:`fslr_func.with_fslr`) then measures :math:`\|J\,dW\|^2_\mathrm{RMS}` itself
+by forward-mode AD (:func:`fslr_func.exact`, one ``jvp`` per tensor and probe batch) and keeps
+its log as the one statistic of a tensor, which :func:`log_sq_norm` returns as it is.
 """
 
 from __future__ import annotations
@@ -35,22 +38,31 @@ from torch import Tensor
 
 from .checks import real
 
-Estimator = Literal["kron", "full", "iid"]
-"""The estimators of ``||Delta_W f||^2_RMS``: ``kron`` (tensor-normal), ``full``, ``iid``."""
+Estimator = Literal["kron", "full", "iid", "exact"]
+"""The estimators of ``||Delta_W f||^2_RMS``: ``kron`` (tensor-normal), ``full``, ``iid``, and
+``exact`` (forward-mode AD, no sampling)."""
 ReadoutRole = Literal["weight", "bias"]
 """A readout tensor's role, which picks its row-independent estimator variant."""
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 """The names :data:`Estimator` allows, for validation and messages."""
+SAMPLED_ESTIMATORS: tuple[str, ...] = ("kron", "full", "iid")
+"""The estimators computed from a probe's omega samples (all but ``exact``)."""
 Grouping = str | Callable[[str, tuple[int, ...]], Sequence[int] | None]
 """How a tensor of rank 3 or more is viewed for ``kron``: ``"auto"``, ``"dims"``, ``"matrix"``
 or ``callable(name, shape) -> grouped shape`` (``None``: the tensor's own shape)."""
 GROUPINGS: tuple[str, ...] = ("auto", "dims", "matrix")
 
 
-def check_estimator(name: str) -> None:
-    """Raise a ``ValueError`` naming the valid estimators if ``name`` is not one of them."""
+def check_estimator(name: str, *, sampled: bool = False) -> None:
+    """Raise a ``ValueError`` naming the valid estimators if ``name`` is not one of them
+    (``sampled``: one of those computed from a probe's samples, :data:`SAMPLED_ESTIMATORS`)."""
     if name not in ESTIMATORS:
         raise ValueError(f"unknown estimator {name!r}; choose one of {', '.join(ESTIMATORS)}")
+    if sampled and name not in SAMPLED_ESTIMATORS:
+        raise ValueError(
+            f"estimator {name!r} is not computed from a probe's omega samples: choose one of "
+            f"{', '.join(SAMPLED_ESTIMATORS)}, or compute exact FSLRs with fslr_func.exact"
+        )
 
 
 def check_grouping(grouping: Grouping) -> None:
@@ -122,8 +134,9 @@ def log_sq_norm(
     r"""Log of the estimated :math:`\|\Delta_W f\|^2_\mathrm{RMS}` from expected statistics.
 
     Args:
-        log_e: log expectations ``[log E q_0, log E q_{d}..., log E q_full]`` of one tensor.
-        estimator: ``"kron"``, ``"full"`` or ``"iid"``.
+        log_e: log expectations ``[log E q_0, log E q_{d}..., log E q_full]`` of one tensor
+            (with ``"exact"``: ``[log ||J dW||^2_RMS]``).
+        estimator: ``"kron"``, ``"full"``, ``"iid"`` or ``"exact"``.
         readout: ``"weight"`` or ``"bias"`` if the tensor is the readout layer's (the
             row-independent variants apply to ``kron``; ``full`` and ``iid`` are unchanged).
 
@@ -139,10 +152,10 @@ def log_sq_norm(
         58.0
     """
     check_estimator(estimator)
+    if estimator in ("full", "exact"):
+        return log_e[-1]
     rank = log_e.shape[0] - 2
     log_q0 = log_e[0]
-    if estimator == "full":
-        return log_e[-1]
     if estimator == "iid" or rank == 0:
         return log_q0
     if readout == "bias":

@@ -44,9 +44,9 @@ import torch
 from torch import nn
 
 from ..io.record import FSLRRecord
-from ..probe.functional import Inputs, as_output_tensor, split_inputs
+from ..probe.functional import Inputs
 from ..probe.names import recorded_names
-from ..probe.readout import ReadoutFinder, readout_module, tied
+from ..probe.readout import find_readout, readout_module, tied
 from .controller import fslr_module_of
 from .feature_gains import NoReadoutError
 from .wrapper import FSLRModule
@@ -117,15 +117,7 @@ def _find_readout(fm: FSLRModule, inputs: Inputs | None) -> str:
             "(readout='auto'): pass inputs=one training or probe batch, or wrap with "
             "with_fslr(..., readout='head') naming it"
         )
-    args, kwargs = split_inputs(inputs)
-    # the forward leaves no trace: BatchNorm's running statistics and the random streams
-    # (dropout) are as they were before it
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
-    cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.no_grad(), torch.random.fork_rng(devices=cuda), ReadoutFinder(model) as finder:
-        found = finder.find(as_output_tensor(model(*args, **kwargs), fm.options.output_fn))
-        for n, b in model.named_buffers():
-            b.copy_(buffers[n])
+    found, _ = find_readout(model, inputs, fm.options.output_fn)
     if found is None:
         raise NoReadoutError(
             "scale_readout found no readout layer: the model output is not one module's "

@@ -32,8 +32,10 @@ from torch import Tensor, nn
 
 from ..parallel.process_group import next_seed
 from ..probe import forward_cache
+from ..probe.exact import exact_log_sq
 from ..probe.functional import (
     Inputs,
+    ModuleTensors,
     check_inputs,
     check_not_meta,
     check_not_scripted,
@@ -42,7 +44,7 @@ from ..probe.functional import (
 )
 from ..probe.names import WRAPPER_PREFIXES, unwrapped
 from ..probe.options import ProbeOptions, Strategy
-from ..probe.readout import readout_module
+from ..probe.readout import find_readout, readout_module, readout_roles
 from ..probe.sampling import GradientReduction, run_probe
 from ..stats.checks import torch_seed
 from ..stats.estimator import (
@@ -127,7 +129,14 @@ class FSLRModule(nn.Module):
 
     Args:
         model: any module with trainable parameters.
-        estimator: ``"kron"``, ``"full"`` or ``"iid"``.
+        estimator: ``"kron"``, ``"full"`` or ``"iid"``, estimated from ``samples`` omega
+            draws per probe batch; or ``"exact"``: each probe batch's
+            ``||J dW||_RMS`` by forward-mode AD (:func:`fslr_func.exact`), no
+            sampling and no estimator bias, at one ``jvp`` per moved tensor and probe batch
+            (a host synchronisation per tensor; one process only: a data-parallel probe
+            needs a sampled estimator). Of the probe's options, ``output_fn``,
+            ``forward_seed`` and ``readout`` (to find the readout for ``match="features"``)
+            apply to it.
         beta: EMA decay across probes (bias-corrected).
         seed: seeds the omega generators (one per device, each drawing omega where the
             model's output lives); ``None`` takes it from torch's global RNG without
@@ -159,6 +168,12 @@ class FSLRModule(nn.Module):
     ) -> None:
         super().__init__()
         check_estimator(estimator)
+        if estimator == "exact" and reduction is not None:
+            raise ValueError(
+                "estimator='exact' measures each process's own probe batch by forward-mode "
+                "AD; a data-parallel probe needs a sampled estimator: use 'kron' (or 'full', "
+                "unbiased), or wrap with distributed=False"
+            )
         self.options = ProbeOptions(**options)
         self.ema = EMA(beta)
         check_not_scripted(model)  # at construction, not at the first measured step
@@ -291,6 +306,11 @@ class FSLRModule(nn.Module):
             ValueError: ``inputs`` is an empty list (nothing would be probed).
         """
         batches = _probe_batches(inputs)
+        if self.estimator == "exact":
+            self._fold_exact(
+                batches, delta, params=params, step=step, strict=strict, changed=changed
+            )
+            return
         generator = self.generator_for(next(self.module.parameters()).device)
         for batch in batches:
             result = run_probe(
@@ -311,6 +331,49 @@ class FSLRModule(nn.Module):
             means = mean_valid_log_stats_all(result.log_stats)
             self.ema.update(means, step=self.probes if step is None else step, include=changed)
             self.probes += 1
+
+    def _fold_exact(
+        self,
+        batches: list[Inputs],
+        delta: Mapping[str, Tensor],
+        *,
+        params: Mapping[str, Tensor] | None,
+        step: int | None,
+        strict: bool,
+        changed: Mapping[str, Tensor] | None,
+    ) -> None:
+        """:meth:`fold` of ``estimator="exact"``: each batch's log ``||J dW||^2_RMS`` per tensor
+        (:func:`~fslr_func.probe.exact.exact_log_sq`) folded into the EMAs; the tensors the
+        step left unchanged are skipped. The readout is found once, by a forward on the first
+        batch, for what needs it (``match="features"``)."""
+        moved = {n: d for n, d in delta.items() if changed is None or bool(changed[n])}
+        for batch in batches:
+            if self.probes == 0 and self.options.readout is not None:
+                self._find_readout(batch)
+            log_sq = exact_log_sq(
+                self.module,
+                batch,
+                moved,
+                output_fn=self.options.output_fn,
+                params=None if params is None else {n: params[n] for n in moved if n in params},
+                forward_seed=self.options.forward_seed,
+                strict=strict,
+            )
+            stats = {n: v.reshape(1) for n, v in log_sq.items()}
+            self.ema.update(stats, step=self.probes if step is None else step, include=changed)
+            self.probes += 1
+
+    def _find_readout(self, batch: Inputs) -> None:
+        """Set :attr:`readout_roles` from the readout the wrapper's ``readout`` option names or
+        one forward on ``batch`` finds (the sampled estimators' probe finds it as it runs)."""
+        named = self.options.readout
+        name, outputs = find_readout(self.module, batch, self.options.output_fn)
+        if named != "auto":
+            name = named
+        trainable = dict(ModuleTensors.of(self.module).trainable)
+        self.readout_roles = readout_roles(
+            self.module, name, trainable, outputs, named=named != "auto"
+        )
 
     def _infinite(self, batch: Inputs) -> list[str]:
         """The probe batch's inputs with infinite entries (every rank's, distributed)."""
