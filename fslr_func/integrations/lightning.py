@@ -106,7 +106,9 @@ class _Callback(pl.Callback):
                 "optimiser (see docs/integrations.md)"
             )
         optimizer: Any = optimizers[0] if len(optimizers) == 1 else optimizers
-        self.session.start(pl_module, optimizer, scheduler, _ProbeBatches(probes, trainer))
+        self.session.start(
+            pl_module, optimizer, scheduler, _ProbeBatches(probes, trainer), trainer.global_step
+        )
 
     def on_train_batch_end(
         self,

@@ -38,6 +38,7 @@ from torch.utils.data import IterableDataset
 
 from ..io.record import FSLRRecord
 from ..probe.functional import Inputs
+from ..probe.names import unwrapped
 from ..probe.options import ProbeOptions
 from ..stats.estimator import EMA, check_estimator
 from ..training import policies
@@ -174,8 +175,32 @@ class Session:
         optimizer: torch.optim.Optimizer,
         scheduler: Any,
         probe_batches: Iterable[Inputs],
+        step: int | None = None,
     ) -> None:
-        """Wrap ``model``, build the controller over the trainer's optimiser and attach it."""
+        """Wrap ``model``, build the controller over the trainer's optimiser and attach it.
+
+        Started again (a second ``trainer.fit``/``trainer.train``), it continues where it
+        stopped when the trainer does: on the same model at the step it had reached
+        (``step``, the trainer's optimiser steps so far; ``None``: not known, taken as
+        continuing), the record keeps its rows and its step count and FLeRM its set points.
+        Otherwise (another model, or training started over from step 0) it starts afresh,
+        with a warning that what it had is replaced.
+        """
+        carried = None
+        if self.controller is not None and self.fm is not None and self._pending is None:
+            same = unwrapped(self.fm.module)[0] is unwrapped(model)[0]
+            if same and (step is None or step == self.controller.t):
+                carried = self.state_dict()
+            else:
+                warnings.warn(
+                    f"the callback was started again on {'the same' if same else 'another'} "
+                    f"model at step {step}, where it had stopped at step {self.controller.t}: "
+                    f"it starts a new {'record' if self.base is None else 'FLeRM run'}, and a "
+                    "record saved at the end replaces the previous one; use one callback per "
+                    "run",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
         self.stop()
         self.fm = with_fslr(model, **self.fslr_options)
         common = {"log_fn": self._log, "scheduler": scheduler, **self.options}
@@ -188,6 +213,8 @@ class Session:
         if self._pending is not None:
             self._apply(self._pending)
             self._pending = None
+        elif carried is not None:
+            self._apply(carried)
         self._hooks = self.controller.attach()
 
     def stop(self) -> None:

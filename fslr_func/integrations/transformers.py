@@ -214,6 +214,7 @@ class _Callback(TrainerCallback):
             optimizer,
             lr_scheduler,
             _ProbeInputs(loader, use_cache, args.device, decoder_inputs),
+            step=state.global_step,
         )
 
     def _resume(self, folder: str, state: TrainerState) -> None:

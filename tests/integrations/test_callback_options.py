@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 import fslr_func as ff
 from fslr_func.integrations.session import DrivingCallback, RecordingCallback
@@ -112,3 +113,31 @@ def test_lightning_batches_probe_rows_like_a_batch_sampler() -> None:
     assert _batch_size(DataLoader(rows, batch_size=8)) == 8
     with pytest.warns(RuntimeWarning, match="one at a time"):
         assert _batch_size(DataLoader(rows, batch_sampler=[[0, 1], [2, 3]])) == 1
+
+
+def test_a_session_started_again_continues_only_where_the_trainer_continues() -> None:
+    from fslr_func.integrations.session import Session
+
+    def fresh() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        model = torch.nn.Linear(3, 2)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(session: Session, model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+        for _ in range(2):
+            opt.zero_grad()
+            model(torch.randn(4, 3)).square().mean().backward()
+            opt.step()
+
+    probes = [torch.randn(4, 3)] * 8
+    session = Session(None, fslr_options={"seed": 0}, options={"every": 1, "warmup_samples": 4})
+    model, opt = fresh()
+    session.start(model, opt, None, probes, step=0)
+    train(session, model, opt)
+    session.start(model, opt, None, probes, step=2)  # continues: the rows are kept
+    train(session, model, opt)
+    assert session.record().steps == [0, 1, 2, 3]
+    with pytest.warns(RuntimeWarning, match="started again on the same model at step 0"):
+        session.start(model, opt, None, probes, step=0)  # trained over from step 0
+    assert len(session.record()) == 0
+    with pytest.warns(RuntimeWarning, match="started again on another model"):
+        session.start(*fresh(), None, probes, step=0)

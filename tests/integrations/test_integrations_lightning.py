@@ -85,3 +85,26 @@ def test_lightning_plateau_scheduler_records_and_drives_flerm(tmp_path: Path) ->
     rates, at_set_point = flerm.lrs(), flerm.history[0].lrs
     for name, rate in rates.items():  # the plateau cut the rate after steps 1, 2 and 3
         assert rate == pytest.approx(at_set_point[name] / 8, rel=1e-9), name
+
+
+def test_a_second_fit_that_continues_training_continues_the_record(tmp_path: Path) -> None:
+    # before, the second fit started a fresh Recorder: its rows replaced the first fit's
+    import lightning.pytorch as pl
+
+    from fslr_func.integrations.lightning import FSLRCallback
+
+    example = load_script("examples/lightning.py")
+    probes = torch.as_tensor(example.DATA.x_train[256:320], dtype=torch.float32)
+    callback = FSLRCallback(probes, every=1, warmup_samples=8)
+    module = example.Classifier(16)
+    trainer = pl.Trainer(
+        default_root_dir=str(tmp_path), max_steps=2, callbacks=[callback],
+        accelerator=DEVICE.type, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(module, example.loader())
+    assert FSLRRecord.load(tmp_path / "fslr_record.json").steps == [1]
+    trainer.fit_loop.epoch_loop.max_steps = 5
+    trainer.fit(module, example.loader())
+    # step 2 is the warm-up's rate 0 again (configure_optimizers' new scheduler): no row
+    assert FSLRRecord.load(tmp_path / "fslr_record.json").steps == [1, 3, 4]
