@@ -24,6 +24,7 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -355,11 +356,17 @@ class FSLRModule(nn.Module):
                 batch,
                 moved,
                 output_fn=self.options.output_fn,
-                params=None if params is None else {n: params[n] for n in moved if n in params},
+                params=params,
                 forward_seed=self.options.forward_seed,
                 strict=strict,
             )
-            stats = {n: v.reshape(1) for n, v in log_sq.items()}
+            # every tensor gets its EMA entry, as with the sampled estimators; those the step
+            # left unchanged (not measured: NaN) are skipped by ``include``
+            unmeasured = torch.tensor([math.nan], dtype=torch.float64)
+            stats = {
+                n: log_sq[n].reshape(1) if n in log_sq else unmeasured.to(d.device)
+                for n, d in delta.items()
+            }
             self.ema.update(stats, step=self.probes if step is None else step, include=changed)
             self.probes += 1
 

@@ -168,3 +168,15 @@ def test_exact_is_one_process_and_not_a_probe_results_estimator():
     assert ff.estimate(model, x, delta, estimator="exact") == ff.exact(model, x, delta)
     with pytest.raises(ValueError, match="unknown estimator 'exakt'"):
         ff.with_fslr(model, estimator="exakt")  # type: ignore[arg-type]
+
+
+def test_a_tensor_whose_16_bit_update_rounds_away_reads_unknown_beside_measured_ones():
+    # before, such a tensor had no EMA entry at all, and reading the step raised a KeyError
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.LayerNorm(8)).to(torch.bfloat16)
+    fm = ff.with_fslr(model, estimator="exact", seed=0)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)  # LayerNorm's 1.0 + 1e-3 rounds to 1.0
+    model(torch.randn(8, 4, dtype=torch.bfloat16)).float().square().mean().backward()
+    with fm.measure(opt, torch.randn(5, 4, dtype=torch.bfloat16)) as m:
+        opt.step()
+    assert "1.weight" in m.rounded_away and set(m.fslr) == {"0.weight", "0.bias", "1.bias"}
