@@ -18,7 +18,9 @@ rotated from round to round, so that a shared machine's drifting load hits all a
 * ``measure``: the wrapper's ``with fm.measure(opt, x): opt.step()`` around a plain SGD step,
   and ``sgd step``: the same step alone, whose time is subtracted;
 * ``forward``, ``forward+backward``: a plain forward building the graph, and a fresh forward
-  with the backward of ``phi`` (one sequential sample without its statistics).
+  with the backward of ``phi`` (one sequential sample without its statistics);
+* ``exact``: ``ff.exact(model, x, delta)``, one forward-mode pass per tensor: the cost of a
+  probe of ``with_fslr(..., estimator="exact")``, printed over ``estimate``'s.
 
 Reported per model: medians of the times; the medians over rounds of the per-round ratios
 ``sequential / estimate`` and ``sequential / (measure - sgd step)``; and the ceiling of the
@@ -163,6 +165,7 @@ def cases(
         "estimate": lambda: ff.estimate(model, x, delta, samples=samples),
         **pinned,
         "sequential": lambda: sequential_probe(model, x, delta, samples),
+        "exact": lambda: ff.exact(model, x, delta),
         "measure": measure,
         "sgd step": opt.step,
         "forward": lambda: model(x),
@@ -319,7 +322,10 @@ def report_speed(
             f"  sequential / {label:<19} {ratio:5.2f}x  >= 1.3 {verdict(ratio >= 1.3)}"
             f"   {ratio / top:4.0%} of the ceiling, >= 90% {verdict(ratio >= 0.9 * top)}"
         )
-    return {"estimate": one_shot, "measure": wrapped, "ceiling": top}
+    exact = median_ratio(times["exact"], times["estimate"])
+    tensors = len(unit_delta(build(kind)[0]))
+    print(f"  exact / estimate {exact:5.2f}x  (estimator='exact': one jvp per tensor, {tensors})")
+    return {"estimate": one_shot, "measure": wrapped, "ceiling": top, "exact": exact}
 
 
 def report_split(kind: str, samples: int, rounds: int) -> None:
