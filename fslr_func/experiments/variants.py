@@ -567,8 +567,14 @@ class ReadoutInitFLeRM(FLeRM):
         }
         if not delta:
             return 1.0
+        options = self.fm.options
         gains = feature_gains(
-            self.fm.module, x, delta, readout=readout, output_fn=self.fm.options.output_fn
+            self.fm.module,
+            x,
+            delta,
+            readout=readout,
+            output_fn=options.output_fn,
+            forward_seed=options.forward_seed,
         )
         return _readout_scale(g / self.base_gains[n] for n, g in gains.items())
 
@@ -866,6 +872,7 @@ def local_gains(fm: FSLRModule, m: Any, names: Collection[str] | None = None) ->
                 at_output=True,
                 params=point,
                 output_fn=fm.options.output_fn,
+                forward_seed=fm.options.forward_seed,
             )
         except NoReadoutError:
             continue  # no layer output to measure: the tensor stays output-matched

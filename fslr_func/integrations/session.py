@@ -148,6 +148,12 @@ class Session:
         _check_names(self.fslr_options, with_fslr, "fslr_options")
         ProbeOptions(**{k: v for k, v in self.fslr_options.items() if k in _PROBE_OPTIONS})
         check_estimator(self.fslr_options.get("estimator", "kron"))
+        if self.fslr_options.get("estimator") == "exact" and self.fslr_options.get("distributed"):
+            raise ValueError(
+                "fslr_options estimator='exact' measures each process's own probe batch and "
+                "distributed=True probes across processes: use a sampled estimator ('kron', or "
+                "'full', unbiased) or distributed=False"
+            )
         EMA(self.fslr_options.get("beta", 0.9))  # beta's range
         every = self.options.get("every", 100)
         if self.base is not None:
@@ -180,16 +186,18 @@ class Session:
         """Wrap ``model``, build the controller over the trainer's optimiser and attach it.
 
         Started again (a second ``trainer.fit``/``trainer.train``), it continues where it
-        stopped when the trainer does: on the same model at the step it had reached
-        (``step``, the trainer's optimiser steps so far; ``None``: not known, taken as
+        stopped when the trainer does: on the same model at or past the step it had reached
+        (``step``, the trainer's optimiser steps so far, which count the steps a
+        ``GradScaler`` skipped where the controller's do not; ``None``: not known, taken as
         continuing), the record keeps its rows and its step count and FLeRM its set points.
+        A checkpoint's state loaded in between (``fit(ckpt_path=...)``) is applied instead.
         Otherwise (another model, or training started over from step 0) it starts afresh,
         with a warning that what it had is replaced.
         """
         carried = None
         if self.controller is not None and self.fm is not None and self._pending is None:
             same = unwrapped(self.fm.module)[0] is unwrapped(model)[0]
-            if same and (step is None or step == self.controller.t):
+            if same and (step is None or step >= self.controller.t):
                 carried = self.state_dict()
             else:
                 warnings.warn(
@@ -265,8 +273,10 @@ class Session:
         return {"controller": self.controller.state_dict(), "fm": self.fm.get_extra_state()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Restore :meth:`state_dict`, now or when :meth:`start` has built the controller."""
-        if self.controller is None:
+        """Restore :meth:`state_dict`: now into a running controller, else when :meth:`start`
+        builds the next one (a checkpoint loaded between two fits is the next fit's, whatever
+        model it trains)."""
+        if self.controller is None or self._hooks is None:
             self._pending = state
         else:
             self._apply(state)

@@ -201,6 +201,7 @@ def _exact(
     use_jvp = True
     last_state: list[dict[str, Tensor]] = []
     depends: dict[str, bool] = {}
+    output_finite: list[bool] = []  # not strict: whether the model output is finite
 
     def backward_context() -> contextlib.AbstractContextManager[None]:
         return substituted(model, last_state[0])
@@ -215,6 +216,8 @@ def _exact(
                 out = as_output_tensor(raw, output_fn).reshape(-1)
             if not depends:
                 check_output(out, finite=strict)
+                if not strict:
+                    output_finite[:] = [all_finite(out)]
             # Under jvp a dependent output carries a tangent; under autograd, a graph to w.
             dual = forward_ad.unpack_dual(out).tangent  # type: ignore[no-untyped-call]
             depends[name] = dual is not None or reaches(out, w)
@@ -247,6 +250,11 @@ def _exact(
                 )
         else:
             tangent = _autograd_jvp(flat_output, primal, direction, backward_context)
+        if output_finite == [False]:  # an Inf input, a diverged weight: nothing to measure
+            return {**result, **{n: nan.to(v.device) for n, v in delta.items()}}
+        if not strict and infinite and not all_finite(tangent):  # an Inf input reaches it
+            result[name] = nan.to(primal.device)
+            continue
         if use_jvp and not all_finite(tangent):
             # a forward-mode formula can overflow where the result does not: LayerNorm's
             # tangent holds rstd**3, past float16's maximum for an input spread of 0.02

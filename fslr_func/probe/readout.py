@@ -24,7 +24,14 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from ..stats.estimator import ReadoutRole
-from .functional import Inputs, OutputFn, as_output_tensor, split_inputs
+from .functional import (
+    Inputs,
+    ModuleTensors,
+    OutputFn,
+    as_output_tensor,
+    compiled_inner,
+    model_forward,
+)
 
 __all__ = [
     "ReadoutFinder",
@@ -164,29 +171,36 @@ def tied(model: nn.Module, tensor: Tensor) -> bool:
 
 
 def find_readout(
-    model: nn.Module, inputs: Inputs, output_fn: OutputFn | None = None
+    model: nn.Module,
+    inputs: Inputs,
+    output_fn: OutputFn | None = None,
+    *,
+    forward_seed: int | None = None,
 ) -> tuple[str | None, int]:
     """The readout module :class:`ReadoutFinder` sees compute the output of one forward on
     ``inputs``, and the size of the output's last dim (``None`` where no module's output is
     the model's).
 
-    The forward runs without gradients and leaves no trace: the buffers (BatchNorm's running
-    statistics) and the random streams (dropout) are as they were before it.
+    The forward is the probe's (:func:`~fslr_func.probe.functional.model_forward`, without
+    gradients): it leaves no trace, its inputs and buffers copies (a forward that scales its
+    input in place, BatchNorm's running statistics), the random streams as they were (dropout;
+    ``forward_seed`` as the probe's), and a ``torch.compile`` wrapper's original module runs
+    eagerly (no graph compiled for it), its names with the wrapper's prefix.
 
     Examples:
         >>> model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
         >>> find_readout(model, torch.randn(5, 3))
         ('1', 2)
     """
-    args, kwargs = split_inputs(inputs)
-    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    inner, prefix = compiled_inner(model)
+    tensors = ModuleTensors.of(model)
+    state = {**tensors.trainable, **tensors.constants()}
     cuda = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
-    with torch.no_grad(), torch.random.fork_rng(devices=cuda), ReadoutFinder(model) as finder:
-        out = as_output_tensor(model(*args, **kwargs), output_fn)
+    with torch.no_grad(), torch.random.fork_rng(devices=cuda), ReadoutFinder(inner) as finder:
+        raw = model_forward(model, state, inputs, output_fn, forward_seed=forward_seed)
+        out = as_output_tensor(raw, output_fn)
         found = finder.find(out)
-        for n, b in model.named_buffers():
-            b.copy_(buffers[n])
-    return found, (out.shape[-1] if out.dim() else 1)
+    return (None if found is None else prefix + found), (out.shape[-1] if out.dim() else 1)
 
 
 def readout_roles(

@@ -194,6 +194,7 @@ def feature_gains(
     at_output: bool = False,
     params: Mapping[str, Tensor] | None = None,
     output_fn: OutputFn | None = None,
+    forward_seed: int | None = None,
 ) -> dict[str, float]:
     r"""Per tensor, the feature gain :math:`G_W` of its update (module docstring): output
     movement over movement of the readout's input, both by :func:`fslr_func.exact` at
@@ -209,6 +210,8 @@ def feature_gains(
             submodule's: the transfer matrix's local gains, each layer's own output).
         params: the weights to linearise at (default: the current ones).
         output_fn: maps the model output to the tensor whose movement counts, as in the probe.
+        forward_seed: every forward's own RNG seed (dropout), as in the probe (``None``: the
+            global RNG's): with a seed, both movements see the same dropout masks.
 
     Raises:
         NoReadoutError: ``readout`` gets no tensor input (returns no tensor, ``at_output``).
@@ -223,13 +226,14 @@ def feature_gains(
         ['0.bias', '0.weight']
     """
     point = _trainable(model) if params is None else dict(params)
-    out = exact(model, inputs, delta, params=point, output_fn=output_fn)
+    out = exact(model, inputs, delta, params=point, output_fn=output_fn, forward_seed=forward_seed)
     try:
         features = exact(
             SubmoduleTensor(model, readout, output=at_output),
             inputs,
             {f"m.{n}": d for n, d in delta.items()},
             params={f"m.{n}": v for n, v in point.items()},
+            forward_seed=forward_seed,
         )
     except DisconnectedOutputError:  # no update moves the features (only the readout trains)
         return {}
@@ -280,5 +284,6 @@ def step_gains(
         readout=readout,
         params={**_trainable(fm.module), **m.before},
         output_fn=fm.options.output_fn,
+        forward_seed=fm.options.forward_seed,
     )
     return {n.removeprefix(prefix): g for n, g in gains.items()}

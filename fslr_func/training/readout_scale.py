@@ -117,7 +117,9 @@ def _find_readout(fm: FSLRModule, inputs: Inputs | None) -> str:
             "(readout='auto'): pass inputs=one training or probe batch, or wrap with "
             "with_fslr(..., readout='head') naming it"
         )
-    found, _ = find_readout(model, inputs, fm.options.output_fn)
+    found, _ = find_readout(
+        model, inputs, fm.options.output_fn, forward_seed=fm.options.forward_seed
+    )
     if found is None:
         raise NoReadoutError(
             "scale_readout found no readout layer: the model output is not one module's "

@@ -137,7 +137,8 @@ class FSLRModule(nn.Module):
             (a host synchronisation per tensor; one process only: a data-parallel probe
             needs a sampled estimator). Of the probe's options, ``output_fn``,
             ``forward_seed`` and ``readout`` (to find the readout for ``match="features"``)
-            apply to it.
+            apply to it, and ``samples`` still sets how many probe batches a Recorder's or
+            FLeRM's warm-up takes (``ceil(warmup_samples / samples)``).
         beta: EMA decay across probes (bias-corrected).
         seed: seeds the omega generators (one per device, each drawing omega where the
             model's output lives); ``None`` takes it from torch's global RNG without
@@ -197,6 +198,7 @@ class FSLRModule(nn.Module):
         self.reduction = reduction
         self.resolved_strategy: Strategy = self.options.strategy
         self.readout_roles: dict[str, ReadoutRole] = {}
+        self._readout_searched = False  # estimator="exact": its probe does not find it
         self._measuring = False
         self._snapshots = Snapshots()  # the weights before a measured step, reused
         self._updates = Snapshots()  # its unit-rate updates, reused (release_buffers)
@@ -345,21 +347,24 @@ class FSLRModule(nn.Module):
     ) -> None:
         """:meth:`fold` of ``estimator="exact"``: each batch's log ``||J dW||^2_RMS`` per tensor
         (:func:`~fslr_func.probe.exact.exact_log_sq`) folded into the EMAs; the tensors the
-        step left unchanged are skipped. The readout is found once, by a forward on the first
-        batch, for what needs it (``match="features"``)."""
+        step left unchanged are skipped (a step a ``GradScaler`` skipped measures nothing).
+        The readout is found once, by a forward on the first batch measured, for what needs it
+        (``match="features"``)."""
         moved = {n: d for n, d in delta.items() if changed is None or bool(changed[n])}
         for batch in batches:
-            if self.probes == 0 and self.options.readout is not None:
+            if moved and not self._readout_searched and self.options.readout is not None:
                 self._find_readout(batch)
-            log_sq = exact_log_sq(
-                self.module,
-                batch,
-                moved,
-                output_fn=self.options.output_fn,
-                params=params,
-                forward_seed=self.options.forward_seed,
-                strict=strict,
-            )
+            log_sq = {}
+            if moved:
+                log_sq = exact_log_sq(
+                    self.module,
+                    batch,
+                    moved,
+                    output_fn=self.options.output_fn,
+                    params=params,
+                    forward_seed=self.options.forward_seed,
+                    strict=strict,
+                )
             # every tensor gets its EMA entry, as with the sampled estimators; those the step
             # left unchanged (not measured: NaN) are skipped by ``include``
             unmeasured = torch.tensor([math.nan], dtype=torch.float64)
@@ -374,7 +379,11 @@ class FSLRModule(nn.Module):
         """Set :attr:`readout_roles` from the readout the wrapper's ``readout`` option names or
         one forward on ``batch`` finds (the sampled estimators' probe finds it as it runs)."""
         named = self.options.readout
-        name, outputs = find_readout(self.module, batch, self.options.output_fn)
+        forward_seed = self.options.forward_seed
+        name, outputs = find_readout(
+            self.module, batch, self.options.output_fn, forward_seed=forward_seed
+        )
+        self._readout_searched = True
         if named != "auto":
             name = named
         trainable = dict(ModuleTensors.of(self.module).trainable)
@@ -493,6 +502,7 @@ class FSLRModule(nn.Module):
         roles), e.g. after a change of model or task: the next probe looks again."""
         self.ema = EMA(self.ema.beta)
         self.readout_roles = {}
+        self._readout_searched = False
         forward_cache.forget(self.module)
 
     def config(self) -> dict[str, Any]:

@@ -63,6 +63,7 @@ class FSLRModule(Protocol):
     loading_prefix: str | None
     resolved_strategy: Strategy
     options: ProbeOptions
+    _readout_searched: bool
 
     @property
     def name_prefix(self) -> str: ...
@@ -204,6 +205,15 @@ def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
             f"the wrapper with the saved settings, or load with strict=False to keep this "
             f"wrapper's settings and the saved averages"
         )
+    if "exact" in differ.get("estimator", ()):
+        own, other = differ["estimator"]
+        raise ValueError(
+            f"the FSLRModule state was saved with estimator {other!r} and this "
+            f"wrapper uses {own!r}: exact values and a sampled estimator's statistics "
+            "are different averages, which strict=False cannot carry over; build the wrapper "
+            f"with estimator={other!r}, or load the bare model's state dict "
+            "(without the wrapper's state)"
+        )
     prefix = fm.name_prefix if state["version"] == STATE_VERSION else ""
     # everything is read and checked before anything changes: a refused state leaves fm as it was
     try:
@@ -225,6 +235,7 @@ def load_extra_state(fm: FSLRModule, state: Any, strict: bool) -> None:
         raise ValueError(f"this FSLRModule state's 'probes' is {probes}, not a count (>= 0)")
     vars(fm.ema).update(vars(ema))
     fm.readout_roles, fm.generators, fm.probes = roles, generators, probes
+    fm._readout_searched = bool(roles)
     fm.seed = seed
     fm.reported = DropReports({n: int(v) for n, v in fm.ema.dropped.items()})
     fm.resolved_strategy = state.get("resolved_strategy", fm.options.strategy)

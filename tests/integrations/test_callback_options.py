@@ -4,6 +4,7 @@ callback can go through more than once."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import pytest
@@ -136,8 +137,28 @@ def test_a_session_started_again_continues_only_where_the_trainer_continues() ->
     session.start(model, opt, None, probes, step=2)  # continues: the rows are kept
     train(session, model, opt)
     assert session.record().steps == [0, 1, 2, 3]
+    # the trainer counts a step a GradScaler skipped, the controller does not: 5 >= 4
+    session.start(model, opt, None, probes, step=5)
+    assert session.record().steps == [0, 1, 2, 3]
+    saved = session.state_dict()
+    session.stop()
+    # a checkpoint loaded between two fits (fit(ckpt_path=...)) is the next fit's, on a new
+    # model object too: before, it went into the stopped controller and was dropped
+    session.load_state_dict(saved)
+    other, other_opt = fresh()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        session.start(other, other_opt, None, probes, step=4)
+    assert session.record().steps == [0, 1, 2, 3]
     with pytest.warns(RuntimeWarning, match="started again on the same model at step 0"):
-        session.start(model, opt, None, probes, step=0)  # trained over from step 0
+        session.start(other, other_opt, None, probes, step=0)  # trained over from step 0
     assert len(session.record()) == 0
     with pytest.warns(RuntimeWarning, match="started again on another model"):
         session.start(*fresh(), None, probes, step=0)
+
+
+def test_exact_with_distributed_is_refused_when_the_callback_is_built() -> None:
+    with pytest.raises(ValueError, match="estimator='exact' measures each process's own"):
+        RecordingCallback(
+            [torch.randn(2, 3)], fslr_options={"estimator": "exact", "distributed": True}
+        )

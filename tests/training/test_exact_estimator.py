@@ -180,3 +180,116 @@ def test_a_tensor_whose_16_bit_update_rounds_away_reads_unknown_beside_measured_
     with fm.measure(opt, torch.randn(5, 4, dtype=torch.bfloat16)) as m:
         opt.step()
     assert "1.weight" in m.rounded_away and set(m.fslr) == {"0.weight", "0.bias", "1.bias"}
+
+
+class _ScalesItsInput(torch.nn.Module):
+    """Preprocesses its input in place, as ``x.div_(255)`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2.0)
+        return self.b(torch.tanh(self.a(x)))
+
+
+def test_finding_the_readout_leaves_the_probe_batch_as_it_was():
+    # the readout search ran the model on the user's batch: an in-place preprocessing
+    # forward changed it, and the probe measured another input (44% off)
+    model, batch = _ScalesItsInput(), torch.randn(6, 4)
+    original = batch.clone()
+    fm = ff.with_fslr(model, estimator="exact", beta=0.0, seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    model(torch.randn(8, 4)).square().mean().backward()
+    with fm.measure(opt, batch) as m:
+        opt.step()
+    assert torch.equal(batch, original)
+    want = ff.exact(model, original, _unit_update(model, before, 0.1), params=before)
+    assert {n: float(v) for n, v in m.fslr.items()} == pytest.approx(
+        {n: float(v) for n, v in want.items()}, rel=1e-12
+    )
+
+
+def test_a_step_that_moves_nothing_measures_nothing():
+    # a GradScaler-skipped step left every tensor unchanged: exact was called on an empty
+    # update and raised "delta is empty"
+    model = _net(8)
+    fm = ff.with_fslr(model, estimator="exact", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with fm.measure(opt, torch.randn(5, 4)) as m:
+        pass  # the scaler found an Inf gradient: no step
+    assert m.moved == () and fm.ema.counts == dict.fromkeys(fm.ema.counts, 0)
+
+
+def test_after_a_reset_the_readout_is_looked_for_again():
+    fm = ff.with_fslr(_net(8), estimator="exact", seed=0)
+    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
+    for _ in range(2):
+        fm(torch.randn(8, 4)).square().mean().backward()
+        with fm.measure(opt, torch.randn(5, 4)):
+            opt.step()
+        assert fm.readout_roles == {"2.weight": "weight", "2.bias": "bias"}
+        fm.reset()
+
+
+def test_an_infinite_probe_input_is_left_out_without_a_second_pass():
+    # the non-finite tangent was taken for a forward-mode overflow: a misleading warning and a
+    # double-vjp pass per tensor for values then left out
+    fresh = type("InfProbeNet", (torch.nn.Sequential,), {})  # its own warn-once state
+    for final in (torch.nn.Tanh(), torch.nn.Identity()):  # the output finite, then not
+        torch.manual_seed(0)
+        model = fresh(torch.nn.Linear(4, 8), final, torch.nn.Linear(8, 3))
+        fm = ff.with_fslr(model, estimator="exact", seed=0)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        bad = torch.randn(6, 4)
+        bad[0, 0] = math.inf
+        model(torch.randn(8, 4)).square().mean().backward()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with fm.measure(opt, bad):
+                opt.step()
+            read = set(fm.fslr())
+        # tanh keeps the output finite: the readout's tensors are measured, the input
+        # layer's weight, which the Inf reaches, is left out
+        finite_output = isinstance(final, torch.nn.Tanh)
+        assert read >= {"2.weight", "2.bias"} if finite_output else read == set()
+        assert "0.weight" not in read
+        assert not any("forward-mode AD overflowed" in str(w.message) for w in caught)
+        assert any("left out" in str(w.message) for w in caught)
+
+
+def test_exact_state_is_not_loaded_into_a_sampled_wrapper_even_without_strict():
+    # strict=False carried the exact averages over, which kron then read as FSLR squared
+    model = _net(8)
+    fm = ff.with_fslr(model, estimator="exact", seed=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).square().mean().backward()
+    with fm.measure(opt, torch.randn(5, 4)):
+        opt.step()
+    kron = ff.with_fslr(_net(8), seed=0)
+    with pytest.raises(ValueError, match="saved with estimator 'exact' and this wrapper uses"):
+        kron.load_state_dict(fm.state_dict(), strict=False)
+
+
+def test_the_grouping_does_not_matter_to_exact_records():
+    # exact values do not depend on the Kronecker grouping: FLeRM and FSLRRecord.mean
+    # refused records of another grouping as "different quantities"
+    def record(grouping: str) -> ff.FSLRRecord:
+        model = _net(8)
+        fm = ff.with_fslr(model, estimator="exact", seed=0, grouping=grouping)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        recorder = ff.Recorder(fm, _batches(4), optimizer=opt, every=1, warmup_samples=8)
+        for x in _batches(5)[:2]:
+            opt.zero_grad()
+            model(x).square().mean().backward()
+            with recorder.step():
+                opt.step()
+        return recorder.record
+
+    auto, dims = record("auto"), record("dims")
+    assert ff.FSLRRecord.mean([auto, dims]).fslr == auto.fslr == dims.fslr
+    wide = ff.with_fslr(_net(32), estimator="exact", seed=0, grouping="auto")
+    ff.FLeRM(wide, torch.optim.SGD(wide.parameters(), lr=0.1), dims, probe_batches=_batches(4))

@@ -341,3 +341,29 @@ def test_only_the_readout_training_gives_no_gains_instead_of_an_error() -> None:
     net[0].requires_grad_(False)
     delta = {n: 0.1 * torch.ones_like(p) for n, p in net.named_parameters() if p.requires_grad}
     assert feature_gains(net, torch.randn(8, 3), delta, readout="2") == {}
+
+
+def test_the_gains_of_a_model_with_dropout_follow_the_probes_forward_seed():
+    # the gains' forwards drew dropout masks from the global RNG: output and feature movement
+    # were measured on different masks, and the measured step advanced the run's RNG
+    def gains(global_seed: int) -> tuple[bool, dict]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(
+            torch.nn.Linear(4, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+            torch.nn.Linear(16, 16), torch.nn.Dropout(0.5), torch.nn.Tanh(),
+            torch.nn.Linear(16, 3),
+        )  # fmt: skip
+        fm = ff.with_fslr(model, seed=0, forward_seed=1, samples=4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        recorder = ff.Recorder(
+            fm, [torch.randn(6, 4)], optimizer=opt, every=1, warmup_samples=4, feature_gains=True
+        )
+        model(torch.randn(8, 4)).square().mean().backward()
+        torch.manual_seed(global_seed)
+        state = torch.get_rng_state()
+        with recorder.step():
+            opt.step()
+        return torch.equal(state, torch.get_rng_state()), recorder.record.meta["feature_gain"]
+
+    (untouched, a), (_, b) = gains(123), gains(456)
+    assert untouched and a == b
