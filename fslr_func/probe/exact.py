@@ -141,7 +141,12 @@ def exact_log_sq(
     that does not move the output).
 
     Args:
-        model, inputs, delta, output_fn, params, forward_seed: as :func:`exact`.
+        model: as :func:`exact`.
+        inputs: as :func:`exact`.
+        delta: as :func:`exact`.
+        output_fn: as :func:`exact`.
+        params: as :func:`exact`.
+        forward_seed: as :func:`exact`.
         strict: refuse non-finite values with :func:`exact`'s errors. ``False``, as a
             training run's probe: what it cannot measure reads NaN, which the wrapper's EMA
             leaves out and reports: every tensor where the inputs hold NaN, a tensor whose
