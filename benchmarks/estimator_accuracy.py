@@ -24,6 +24,7 @@ from torch import Tensor, nn
 import fslr_func as ff
 from fslr_func.experiments import ResMLP, Transformer, batches, lm_batches, mnist1d, pydoc_text
 from fslr_func.probe.sampling import probe
+from fslr_func.stats.estimator import SAMPLED_ESTIMATORS
 
 
 def kind_of(name: str) -> str:
@@ -96,7 +97,7 @@ def measure(probes: int, samples: int) -> dict[tuple[str, str, str, str], list[f
             g = torch.Generator().manual_seed(0)
             for _ in range(probes):
                 result = probe(model, x, delta, samples=samples, omega=omega, generator=g)
-                for est in ff.ESTIMATORS:
+                for est in SAMPLED_ESTIMATORS:
                     for n, value in result.fslr(est).items():
                         key = (model_name, kind_of(n), est, omega)
                         ratios[key].append(float(value / truth[n]))
@@ -135,7 +136,7 @@ def plot(ratios: dict[tuple[str, str, str, str], list[float]], path: str) -> Non
     for ax, model_name in zip(axes[0], models, strict=True):
         kinds = sorted({k[1] for k in ratios if k[0] == model_name})
         width = 0.25
-        for i, est in enumerate(ff.ESTIMATORS):
+        for i, est in enumerate(SAMPLED_ESTIMATORS):
             data = [ratios[(model_name, kind, est, "gaussian")] for kind in kinds]
             pos = [j + (i - 1) * width for j in range(len(kinds))]
             parts = ax.boxplot(

@@ -90,8 +90,8 @@ from typing import Any
 import torch
 
 from ..io.record import FSLRRecord
-from ..probe.functional import Inputs, as_output_tensor, split_inputs
-from ..probe.readout import ReadoutFinder
+from ..probe.functional import Inputs
+from ..probe.readout import find_readout
 from ..training import policies
 from ..training.feature_gains import (
     NoReadoutError,
@@ -546,9 +546,7 @@ class ReadoutInitFLeRM(FLeRM):
         prefix, params = self.fm.name_prefix, self.targets.params
         model, output_fn = self.fm.module, self.fm.options.output_fn
         (x,) = self._feed.take(1)
-        args, kwargs = split_inputs(x)
-        with torch.no_grad(), ReadoutFinder(model) as finder:
-            readout = finder.find(as_output_tensor(model(*args, **kwargs), output_fn))
+        readout, _ = find_readout(model, x, output_fn, forward_seed=self.fm.options.forward_seed)
         if readout is None:
             return 1.0
         scale = self._readout_factor(x, readout)

@@ -147,13 +147,10 @@ class Session:
         _check_names(self.options, Recorder if self.base is None else FLeRM, "options")
         _check_names(self.fslr_options, with_fslr, "fslr_options")
         ProbeOptions(**{k: v for k, v in self.fslr_options.items() if k in _PROBE_OPTIONS})
-        check_estimator(self.fslr_options.get("estimator", "kron"))
-        if self.fslr_options.get("estimator") == "exact" and self.fslr_options.get("distributed"):
-            raise ValueError(
-                "fslr_options estimator='exact' measures each process's own probe batch and "
-                "distributed=True probes across processes: use a sampled estimator ('kron', or "
-                "'full', unbiased) or distributed=False"
-            )
+        check_estimator(
+            self.fslr_options.get("estimator", "kron"),
+            distributed=bool(self.fslr_options.get("distributed")),
+        )
         EMA(self.fslr_options.get("beta", 0.9))  # beta's range
         every = self.options.get("every", 100)
         if self.base is not None:
@@ -276,10 +273,10 @@ class Session:
         """Restore :meth:`state_dict`: now into a running controller, else when :meth:`start`
         builds the next one (a checkpoint loaded between two fits is the next fit's, whatever
         model it trains)."""
-        if self.controller is None or self._hooks is None:
+        if self.controller is not None:
+            self._apply(state)  # what state_dict() and record() read from now on
+        if self._hooks is None:  # and the next start's
             self._pending = state
-        else:
-            self._apply(state)
 
     def _apply(self, state: Mapping[str, Any]) -> None:
         assert self.controller is not None and self.fm is not None

@@ -223,9 +223,10 @@ class FSLRRecord(Lookups):
 
         Raises:
             ValueError: if there are no records, or they differ in tensor names, steps,
-                shapes, lrs names, estimator, grouping, optimiser, ``base_lr``, model or
-                schedule (:func:`~fslr_func.io.record_schema.check_compatible`: the message
-                names what differs).
+                shapes, lrs names, estimator, grouping (but for ``exact`` records), optimiser,
+                ``base_lr``, model or schedule
+                (:func:`~fslr_func.io.record_schema.check_compatible`: the message names what
+                differs).
 
         Examples:
             >>> a = FSLRRecord(steps=[0], fslr={"w": [1.0], "b": [None]}, meta={"seed": 0})

@@ -518,10 +518,11 @@ def check_compatible(records: Sequence[Series]) -> None:
     """Refuse to average records of different runs: the message names what differs.
 
     Records averaged over seeds must have the same tensors, shapes and lrs tensors, and the
-    same ``estimator``, ``grouping``, ``optimizer``, ``base_lr``, ``model`` and ``schedule``
-    where both record them. Their steps must be the same too, unless both were recorded on
-    the same probe schedule (:func:`same_probe_plan`): a skipped step moves a probe, and
-    such records are averaged step by step (:func:`~fslr_func.io.record_mean.seed_mean`).
+    same ``estimator``, ``grouping`` (not for ``exact`` values, which it does not enter),
+    ``optimizer``, ``base_lr``, ``model`` and ``schedule`` where both record them. Their steps
+    must be the same too, unless both were recorded on the same probe schedule
+    (:func:`same_probe_plan`): a skipped step moves a probe, and such records are averaged step
+    by step (:func:`~fslr_func.io.record_mean.seed_mean`).
 
     Raises:
         ValueError: no records, or the first difference between record ``k`` and record 0.

@@ -71,7 +71,7 @@ from ..probe import sampling
 from ..probe.functional import Inputs, check_inputs, nonfinite_fslr_error, nonfinite_names
 from ..probe.names import unwrapped
 from ..probe.sampling import OmegaSlice, ProbeResult
-from ..stats.estimator import Estimator, ReadoutRole, check_estimator
+from ..stats.estimator import ReadoutRole, SampledEstimator, check_estimator
 from .fsdp import gathered
 from .process_group import (
     ProcessGroup,
@@ -412,7 +412,7 @@ def estimate(
     inputs: Inputs,
     delta: Mapping[str, Tensor],
     *,
-    estimator: Estimator = "kron",
+    estimator: SampledEstimator = "kron",
     **kwargs: Any,
 ) -> dict[str, Tensor]:
     """Data-parallel :func:`fslr_func.estimate`: FSLRs of the global batch, on every rank.

@@ -41,6 +41,7 @@ from torch.func import vmap
 from ..stats.estimator import (
     Estimator,
     ReadoutRole,
+    SampledEstimator,
     check_estimator,
     fslr_from_log,
     grouped_shape,
@@ -97,7 +98,7 @@ class ProbeResult:
     num_outputs: int
     strategy: Strategy
 
-    def fslr(self, estimator: Estimator = "kron") -> dict[str, Tensor]:
+    def fslr(self, estimator: SampledEstimator = "kron") -> dict[str, Tensor]:
         """One-probe FSLR per tensor: the square root of the estimator on the sample means.
 
         Raises:
@@ -661,14 +662,9 @@ def estimate(
         >>> sorted(fslr)
         ['0.bias', '0.weight', '2.bias', '2.weight']
     """
-    check_estimator(estimator)
+    check_estimator(estimator, distributed=reduction is not None)
     if estimator == "exact":
         opts = ProbeOptions(**options)
-        if reduction is not None:
-            raise ValueError(
-                "estimator='exact' measures one process's batch: use a sampled estimator "
-                "('kron', 'full') across processes"
-            )
         return exact(
             model,
             inputs,

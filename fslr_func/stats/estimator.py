@@ -38,30 +38,49 @@ from torch import Tensor
 
 from .checks import real
 
-Estimator = Literal["kron", "full", "iid", "exact"]
-"""The estimators of ``||Delta_W f||^2_RMS``: ``kron`` (tensor-normal), ``full``, ``iid``, and
-``exact`` (forward-mode AD, no sampling)."""
+SampledEstimator = Literal["kron", "full", "iid"]
+"""The estimators computed from a probe's omega samples: ``kron`` (tensor-normal), ``full``,
+``iid``."""
+Estimator = Literal[SampledEstimator, "exact"]
+"""The estimators of ``||Delta_W f||^2_RMS``: the sampled ones and ``exact`` (forward-mode AD,
+no sampling; the wrapper's option)."""
 ReadoutRole = Literal["weight", "bias"]
 """A readout tensor's role, which picks its row-independent estimator variant."""
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 """The names :data:`Estimator` allows, for validation and messages."""
-SAMPLED_ESTIMATORS: tuple[str, ...] = ("kron", "full", "iid")
-"""The estimators computed from a probe's omega samples (all but ``exact``)."""
+SAMPLED_ESTIMATORS: tuple[str, ...] = get_args(SampledEstimator)
+"""The names :data:`SampledEstimator` allows (all but ``exact``)."""
 Grouping = str | Callable[[str, tuple[int, ...]], Sequence[int] | None]
 """How a tensor of rank 3 or more is viewed for ``kron``: ``"auto"``, ``"dims"``, ``"matrix"``
 or ``callable(name, shape) -> grouped shape`` (``None``: the tensor's own shape)."""
 GROUPINGS: tuple[str, ...] = ("auto", "dims", "matrix")
 
 
-def check_estimator(name: str, *, sampled: bool = False) -> None:
+def check_estimator(name: str, *, sampled: bool = False, distributed: bool = False) -> None:
     """Raise a ``ValueError`` naming the valid estimators if ``name`` is not one of them
-    (``sampled``: one of those computed from a probe's samples, :data:`SAMPLED_ESTIMATORS`)."""
+    (``sampled``: one of those computed from a probe's samples, :data:`SAMPLED_ESTIMATORS`;
+    ``distributed``: one a data-parallel probe can reduce over processes, a sampled one).
+
+    Examples:
+        >>> check_estimator("exact")
+        >>> check_estimator("exact", distributed=True)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: estimator='exact' measures each process's own probe batch, ...
+    """
     if name not in ESTIMATORS:
         raise ValueError(f"unknown estimator {name!r}; choose one of {', '.join(ESTIMATORS)}")
     if sampled and name not in SAMPLED_ESTIMATORS:
         raise ValueError(
             f"estimator {name!r} is not computed from a probe's omega samples: choose one of "
             f"{', '.join(SAMPLED_ESTIMATORS)}, or compute exact FSLRs with fslr_func.exact"
+        )
+    if distributed and name not in SAMPLED_ESTIMATORS:
+        raise ValueError(
+            "estimator='exact' measures each process's own probe batch, and a data-parallel "
+            "probe (distributed=True, a DDP or FSDP2 model) reduces sampled statistics over "
+            "processes: use 'kron' (or 'full', unbiased) there; for exact values per process, "
+            "wrap with distributed=False and give every rank the same probe batches"
         )
 
 

@@ -129,12 +129,17 @@ def _warn_if_per_process(fm: FSLRModule) -> None:
     if fm.reduction is not None or not torch.distributed.is_available():
         return
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        fix = (
+            "give every rank the same probe batches (estimator='exact' is then the same on "
+            "every rank), or wrap with a sampled estimator and distributed=True"
+            if fm.estimator == "exact"
+            else "wrap with ff.with_fslr(model, distributed=True)"
+        )
         warnings.warn(
             f"FLeRM drives a wrapper whose probe is per process, in one of "
             f"{torch.distributed.get_world_size()} processes: each rank sets its own rates "
-            "from its own probe batches, so data-parallel (DDP) replicas drift apart; wrap with "
-            "ff.with_fslr(model, distributed=True) (docs/distributed.md). Independent runs per "
-            "process can ignore this.",
+            f"from its own probe batches, so data-parallel (DDP) replicas drift apart; {fix} "
+            "(docs/distributed.md). Independent runs per process can ignore this.",
             RuntimeWarning,
             stacklevel=3,
         )

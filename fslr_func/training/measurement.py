@@ -1,13 +1,13 @@
 """A measured optimiser step and the estimates read from it: :class:`Measurement`,
 :class:`Reading`, and :func:`read_estimates`, the wrapper's one host synchronisation.
 
-A measured step never reads a tensor's value on the host (on a GPU each read is a
-synchronisation): the EMAs, the counts of probes folded in or left out and the flags of which
-tensors moved all stay on the device. :func:`read_estimates` stacks what a reading needs into
-one tensor per parameter (:class:`Row`), reads them all at once, reports the probes left out
-since the last reading in one warning (:class:`DropReports`: once per run of readings that
-leave a tensor's probes out, not at every reading of a diverged run), and returns a
-:class:`Reading`.
+With a sampled estimator a measured step never reads a tensor's value on the host (on a GPU each
+read is a synchronisation; ``estimator="exact"`` reads each tensor's there): the EMAs, the counts of
+probes folded in or left out and the flags of which tensors moved all stay on the device.
+:func:`read_estimates` stacks what a reading needs into one tensor per parameter (:class:`Row`),
+reads them all at once, reports the probes left out since the last reading in one warning
+(:class:`DropReports`: once per run of readings that leave a tensor's probes out, not at every
+reading of a diverged run), and returns a :class:`Reading`.
 
 Examples:
     >>> import torch

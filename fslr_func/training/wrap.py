@@ -22,7 +22,7 @@ from ..parallel.data_parallel import is_data_parallel
 from ..parallel.fsdp import is_fully_sharded
 from ..parallel.process_group import ProcessGroup
 from ..probe.functional import check_module
-from ..stats.estimator import Estimator
+from ..stats.estimator import Estimator, check_estimator
 from .distributed import DistributedFSLRModule
 from .wrapper import FSLRModule
 
@@ -50,7 +50,9 @@ def with_fslr(
         model: any ``nn.Module``, a ``DistributedDataParallel`` one (also compiled:
             ``torch.compile(DDP(model))``), or one sharded with
             FSDP2's ``fully_shard`` (DTensor parameters; docs/distributed.md).
-        estimator: ``"kron"`` (default), ``"full"`` or ``"iid"``.
+        estimator: ``"kron"`` (default), ``"full"`` or ``"iid"``; or ``"exact"``, each probe
+            batch's ``||J dW||_RMS`` by forward-mode AD (one process only;
+            :class:`~fslr_func.training.wrapper.FSLRModule`).
         beta: EMA decay across probes (bias-corrected).
         seed: seeds the omega generator; ``None`` takes it from torch's global RNG (rank 0's
             when distributed) without advancing it: the run's own draws are as without it.
@@ -74,6 +76,7 @@ def with_fslr(
             trainable parameters, or ``distributed=False`` for an FSDP2 model.
     """
     check_module(model)
+    check_estimator(estimator, distributed=bool(distributed) or is_fully_sharded(model))
     if distributed or is_data_parallel(model) or is_fully_sharded(model):
         return DistributedFSLRModule(
             model,

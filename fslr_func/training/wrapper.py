@@ -134,7 +134,7 @@ class FSLRModule(nn.Module):
             draws per probe batch; or ``"exact"``: each probe batch's
             ``||J dW||_RMS`` by forward-mode AD (:func:`fslr_func.exact`), no
             sampling and no estimator bias, at one ``jvp`` per moved tensor and probe batch
-            (a host synchronisation per tensor; one process only: a data-parallel probe
+            (host synchronisations per tensor; one process only: a data-parallel probe
             needs a sampled estimator). Of the probe's options, ``output_fn``,
             ``forward_seed`` and ``readout`` (to find the readout for ``match="features"``)
             apply to it, and ``samples`` still sets how many probe batches a Recorder's or
@@ -147,7 +147,8 @@ class FSLRModule(nn.Module):
             (:class:`~fslr_func.probe.sampling.GradientReduction`); ``None``: this process only.
         **options: the probe's options (:class:`~fslr_func.probe.options.ProbeOptions`).
 
-    A measured step never synchronises with the host: omega is drawn on the device, the EMAs
+    With a sampled estimator a measured step never synchronises with the host (``exact``
+    reads each tensor's flags and value there): omega is drawn on the device, the EMAs
     stay there, and a probe whose statistics are not finite (a NaN in the probe batch, an
     output that overflowed, a diverged update) is left out of the EMA on the device. Reading
     the estimates (:meth:`fslr`) is the one synchronisation; it warns about what was left out.
@@ -169,13 +170,7 @@ class FSLRModule(nn.Module):
         **options: Unpack[ProbeKwargs],
     ) -> None:
         super().__init__()
-        check_estimator(estimator)
-        if estimator == "exact" and reduction is not None:
-            raise ValueError(
-                "estimator='exact' measures each process's own probe batch by forward-mode "
-                "AD; a data-parallel probe needs a sampled estimator: use 'kron' (or 'full', "
-                "unbiased), or wrap with distributed=False"
-            )
+        check_estimator(estimator, distributed=reduction is not None)
         self.options = ProbeOptions(**options)
         self.ema = EMA(beta)
         check_not_scripted(model)  # at construction, not at the first measured step
@@ -289,7 +284,8 @@ class FSLRModule(nn.Module):
     ) -> None:
         """Probe ``delta`` on ``inputs`` and fold the result into the EMAs, on the device.
 
-        Nothing here synchronises with the host: statistics that are not finite are left out
+        With a sampled estimator nothing here synchronises with the host (``exact`` reads
+        each tensor's flags and value there): statistics that are not finite are left out
         of the EMA (per omega sample, and per tensor when every sample is), and reported by
         the next :meth:`fslr`.
 
@@ -309,75 +305,82 @@ class FSLRModule(nn.Module):
             ValueError: ``inputs`` is an empty list (nothing would be probed).
         """
         batches = _probe_batches(inputs)
-        if self.estimator == "exact":
-            self._fold_exact(
-                batches, delta, params=params, step=step, strict=strict, changed=changed
-            )
-            return
-        generator = self.generator_for(next(self.module.parameters()).device)
+        moved: dict[str, Tensor] = {}
+        if self.estimator == "exact":  # the flags read on the host, as exact values are
+            moved = {n: d for n, d in delta.items() if changed is None or bool(changed[n])}
         for batch in batches:
-            result = run_probe(
-                self.module,
-                batch,
-                delta,
-                self.options.replace(strategy=self.resolved_strategy),
-                generator=generator,
-                params=params,
-                reduction=self.reduction,
-                strict=strict,
-            )
-            if strict and (nan := [n for n, v in result.log_stats.items() if v.isnan().any()]):
-                # an Inf input reaching a gradient, or a NaN gradient: named, not left out
-                raise nonfinite_fslr_error(nan, self._infinite(batch))
-            self.resolved_strategy = result.strategy
-            self.readout_roles.update(result.readout)
-            means = mean_valid_log_stats_all(result.log_stats)
+            if self.estimator == "exact":
+                means = self._exact_stats(batch, delta, moved, params=params, strict=strict)
+            else:
+                means = self._sampled_stats(batch, delta, params=params, strict=strict)
             self.ema.update(means, step=self.probes if step is None else step, include=changed)
             self.probes += 1
 
-    def _fold_exact(
+    def _sampled_stats(
         self,
-        batches: list[Inputs],
+        batch: Inputs,
         delta: Mapping[str, Tensor],
         *,
         params: Mapping[str, Tensor] | None,
-        step: int | None,
         strict: bool,
-        changed: Mapping[str, Tensor] | None,
-    ) -> None:
-        """:meth:`fold` of ``estimator="exact"``: each batch's log ``||J dW||^2_RMS`` per tensor
-        (:func:`~fslr_func.probe.exact.exact_log_sq`) folded into the EMAs; the tensors the
-        step left unchanged are skipped (a step a ``GradScaler`` skipped measures nothing).
+    ) -> dict[str, Tensor]:
+        """One probe batch's mean log statistics per tensor, from its omega samples
+        (:func:`~fslr_func.probe.sampling.run_probe`); the readout found as it runs."""
+        result = run_probe(
+            self.module,
+            batch,
+            delta,
+            self.options.replace(strategy=self.resolved_strategy),
+            generator=self.generator_for(next(self.module.parameters()).device),
+            params=params,
+            reduction=self.reduction,
+            strict=strict,
+        )
+        if strict and (nan := [n for n, v in result.log_stats.items() if v.isnan().any()]):
+            # an Inf input reaching a gradient, or a NaN gradient: named, not left out
+            raise nonfinite_fslr_error(nan, self._infinite(batch))
+        self.resolved_strategy = result.strategy
+        self.readout_roles.update(result.readout)
+        return mean_valid_log_stats_all(result.log_stats)
+
+    def _exact_stats(
+        self,
+        batch: Inputs,
+        delta: Mapping[str, Tensor],
+        moved: Mapping[str, Tensor],
+        *,
+        params: Mapping[str, Tensor] | None,
+        strict: bool,
+    ) -> dict[str, Tensor]:
+        """``estimator="exact"``: one probe batch's log ``||J dW||^2_RMS`` of each tensor in
+        ``moved`` (:func:`~fslr_func.probe.exact.exact_log_sq`), the one statistic of each;
+        the other tensors of ``delta`` (unchanged by the step, skipped by the EMA) read NaN.
         The readout is found once, by a forward on the first batch measured, for what needs it
         (``match="features"``)."""
-        moved = {n: d for n, d in delta.items() if changed is None or bool(changed[n])}
-        for batch in batches:
-            if moved and not self._readout_searched and self.options.readout is not None:
+        log_sq = {}
+        if moved:  # nothing moved: a step a GradScaler skipped
+            if not self._readout_searched and self.options.readout is not None:
                 self._find_readout(batch)
-            log_sq = {}
-            if moved:
-                log_sq = exact_log_sq(
-                    self.module,
-                    batch,
-                    moved,
-                    output_fn=self.options.output_fn,
-                    params=params,
-                    forward_seed=self.options.forward_seed,
-                    strict=strict,
-                )
-            # every tensor gets its EMA entry, as with the sampled estimators; those the step
-            # left unchanged (not measured: NaN) are skipped by ``include``
-            unmeasured = torch.tensor([math.nan], dtype=torch.float64)
-            stats = {
-                n: log_sq[n].reshape(1) if n in log_sq else unmeasured.to(d.device)
-                for n, d in delta.items()
-            }
-            self.ema.update(stats, step=self.probes if step is None else step, include=changed)
-            self.probes += 1
+            log_sq = exact_log_sq(
+                self.module,
+                batch,
+                moved,
+                output_fn=self.options.output_fn,
+                params=params,
+                forward_seed=self.options.forward_seed,
+                strict=strict,
+            )
+        unmeasured = torch.tensor([math.nan], dtype=torch.float64)
+        return {
+            n: log_sq[n].reshape(1) if n in log_sq else unmeasured.to(d.device)
+            for n, d in delta.items()
+        }
 
     def _find_readout(self, batch: Inputs) -> None:
         """Set :attr:`readout_roles` from the readout the wrapper's ``readout`` option names or
-        one forward on ``batch`` finds (the sampled estimators' probe finds it as it runs)."""
+        one forward on ``batch`` finds (the sampled estimators' probe finds it as it runs).
+        The roles only name the readout here: the row-independence check of the sampled
+        probe, which picks its estimator variants, is not run (exact values need none)."""
         named = self.options.readout
         forward_seed = self.options.forward_seed
         name, outputs = find_readout(

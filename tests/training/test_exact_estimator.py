@@ -161,7 +161,7 @@ def test_exact_resumes_from_the_wrapper_state():
 def test_exact_is_one_process_and_not_a_probe_results_estimator():
     model, x = _net(8), torch.randn(5, 4)
     delta = {n: torch.randn_like(p) for n, p in model.named_parameters()}
-    with pytest.raises(ValueError, match="data-parallel probe needs a sampled estimator"):
+    with pytest.raises(ValueError, match="reduces sampled statistics over processes"):
         FSLRModule(model, estimator="exact", reduction=object())  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="not computed from a probe's omega samples"):
         probe(model, x, delta, samples=2).fslr("exact")
@@ -293,3 +293,9 @@ def test_the_grouping_does_not_matter_to_exact_records():
     assert ff.FSLRRecord.mean([auto, dims]).fslr == auto.fslr == dims.fslr
     wide = ff.with_fslr(_net(32), estimator="exact", seed=0, grouping="auto")
     ff.FLeRM(wide, torch.optim.SGD(wide.parameters(), lr=0.1), dims, probe_batches=_batches(4))
+
+
+def test_distributed_exact_is_refused_before_a_process_group_is_needed():
+    # with_fslr(distributed=True) asked for an initialised process group first
+    with pytest.raises(ValueError, match="estimator='exact' measures each process's own"):
+        ff.with_fslr(_net(8), estimator="exact", distributed=True)
