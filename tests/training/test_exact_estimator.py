@@ -31,6 +31,17 @@ def _unit_update(model: torch.nn.Module, before: dict, lr: float) -> dict[str, t
     return {n: (p.detach() - before[n]) / lr for n, p in model.named_parameters()}
 
 
+def _measured_once(**options: object) -> ff.FSLRModule:
+    """An exact wrapper of a fresh ``_net(8)`` after one measured SGD step."""
+    model = _net(8)
+    fm = ff.with_fslr(model, estimator="exact", seed=0, **options)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).square().mean().backward()
+    with fm.measure(opt, torch.randn(5, 4)):
+        opt.step()
+    return fm
+
+
 @pytest.mark.parametrize("beta", [0.0, 0.5])
 def test_each_measured_step_folds_the_exact_fslr_of_its_update(beta: float) -> None:
     model = _net(16)
@@ -128,29 +139,14 @@ def test_a_tensor_the_step_left_unchanged_is_not_measured():
 
 
 def test_the_readout_is_found_for_feature_matching():
-    fm = ff.with_fslr(_net(8), estimator="exact", seed=0)
-    opt = torch.optim.SGD(fm.parameters(), lr=0.1)
-    fm(torch.randn(8, 4)).square().mean().backward()
-    with fm.measure(opt, torch.randn(5, 4)):
-        opt.step()
-    assert fm.readout_roles == {"2.weight": "weight", "2.bias": "bias"}
-    named = ff.with_fslr(_net(8), estimator="exact", seed=0, readout="0")
-    opt = torch.optim.SGD(named.parameters(), lr=0.1)
-    named(torch.randn(8, 4)).square().mean().backward()
+    assert _measured_once().readout_roles == {"2.weight": "weight", "2.bias": "bias"}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "0" does not compute the output: its roles warn
-        with named.measure(opt, torch.randn(5, 4)):
-            opt.step()
-    assert named.readout_roles == {}
+        assert _measured_once(readout="0").readout_roles == {}
 
 
 def test_exact_resumes_from_the_wrapper_state():
-    model = _net(8)
-    fm = ff.with_fslr(model, estimator="exact", seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(8, 4)).square().mean().backward()
-    with fm.measure(opt, torch.randn(5, 4)):
-        opt.step()
+    fm = _measured_once()
     copy = ff.with_fslr(_net(8, seed=1), estimator="exact", seed=0)
     copy.load_state_dict(fm.state_dict())
     assert {n: float(v) for n, v in copy.fslr().items()} == {
@@ -263,12 +259,7 @@ def test_an_infinite_probe_input_is_left_out_without_a_second_pass():
 
 def test_exact_state_is_not_loaded_into_a_sampled_wrapper_even_without_strict():
     # strict=False carried the exact averages over, which kron then read as FSLR squared
-    model = _net(8)
-    fm = ff.with_fslr(model, estimator="exact", seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    model(torch.randn(8, 4)).square().mean().backward()
-    with fm.measure(opt, torch.randn(5, 4)):
-        opt.step()
+    fm = _measured_once()
     kron = ff.with_fslr(_net(8), seed=0)
     with pytest.raises(ValueError, match="saved with estimator 'exact' and this wrapper uses"):
         kron.load_state_dict(fm.state_dict(), strict=False)
