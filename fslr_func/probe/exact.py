@@ -93,6 +93,7 @@ def exact(
     output_fn: OutputFn | None = None,
     params: Mapping[str, Tensor] | None = None,
     forward_seed: int | None = None,
+    strict: bool = True,
 ) -> dict[str, Tensor]:
     """Exact per-tensor FSLR ``||J dW||_RMS`` of the update ``delta``.
 
@@ -105,14 +106,19 @@ def exact(
         forward_seed: run every forward under its own RNG seeded with this (the global state
             is restored after): with dropout, the same seed as the probe's measures the same
             function. ``None``: each forward draws from the global RNG.
+        strict: refuse non-finite values with the errors below. ``False``, as a training
+            run's probe (``with_fslr(..., estimator="exact")``): what cannot be measured reads
+            NaN, which the wrapper's EMA leaves out and reports: every tensor where the inputs
+            hold NaN, a tensor whose update holds NaN or Inf, a result that is not finite.
 
     Returns:
         Tensor name -> float64 scalar FSLR.
 
     Raises:
-        ValueError: bad names or shapes, NaN or Inf in ``delta``, the inputs or the output,
-            an empty batch, or a forward that cuts measured tensors out of the graph
-            (:mod:`fslr_func.probe.connectivity`): their FSLR would silently read 0.
+        ValueError: bad names or shapes, NaN or Inf in ``delta``, the inputs or the output
+            (those only with ``strict``), an empty batch, or a forward that cuts measured
+            tensors out of the graph (:mod:`fslr_func.probe.connectivity`): their FSLR would
+            silently read 0.
 
     Examples:
         >>> model = torch.nn.Linear(3, 2, bias=False)
@@ -120,86 +126,21 @@ def exact(
         >>> delta = {"weight": torch.ones(2, 3)}
         >>> exact(model, x, delta)["weight"]  # every output moves by exactly 1
         tensor(1., dtype=torch.float64)
-    """
-    return _exact(
-        model, inputs, delta, output_fn=output_fn, params=params, forward_seed=forward_seed
-    )
-
-
-def exact_log_sq(
-    model: nn.Module,
-    inputs: Inputs,
-    delta: Mapping[str, Tensor],
-    *,
-    output_fn: OutputFn | None = None,
-    params: Mapping[str, Tensor] | None = None,
-    forward_seed: int | None = None,
-    strict: bool = True,
-) -> dict[str, Tensor]:
-    r"""Log of :math:`\|J\,dW\|^2_\mathrm{RMS}` per tensor: the statistic of the wrapper's
-    ``estimator="exact"`` (:func:`exact`'s value, squared, in log space; ``-inf`` for an update
-    that does not move the output).
-
-    Args:
-        model: as :func:`exact`.
-        inputs: as :func:`exact`.
-        delta: as :func:`exact`.
-        output_fn: as :func:`exact`.
-        params: as :func:`exact`.
-        forward_seed: as :func:`exact`.
-        strict: refuse non-finite values with :func:`exact`'s errors. ``False``, as a
-            training run's probe: what it cannot measure reads NaN, which the wrapper's EMA
-            leaves out and reports: every tensor where the inputs hold NaN, a tensor whose
-            update holds NaN or Inf, a result that is not finite.
-
-    Returns:
-        Tensor name -> float64 0-d tensor.
-
-    Examples:
-        >>> model = torch.nn.Linear(3, 2, bias=False)
-        >>> x = torch.eye(3)
-        >>> exact_log_sq(model, x, {"weight": 2 * torch.ones(2, 3)})["weight"].exp()
-        tensor(4., dtype=torch.float64)
-        >>> nan = torch.full((1, 3), float("nan"))
-        >>> exact_log_sq(model, nan, {"weight": torch.ones(2, 3)}, strict=False)["weight"]
+        >>> exact(model, torch.full((1, 3), float("nan")), delta, strict=False)["weight"]
         tensor(nan, dtype=torch.float64)
     """
-    values = _exact(
-        model,
-        inputs,
-        delta,
-        output_fn=output_fn,
-        params=params,
-        forward_seed=forward_seed,
-        strict=strict,
-    )
-    return {n: 2 * v.log() for n, v in values.items()}
-
-
-def _exact(
-    model: nn.Module,
-    inputs: Inputs,
-    delta: Mapping[str, Tensor],
-    *,
-    output_fn: OutputFn | None,
-    params: Mapping[str, Tensor] | None,
-    forward_seed: int | None,
-    strict: bool = True,
-) -> dict[str, Tensor]:
-    """:func:`exact`; ``strict=False`` reads NaN where it would raise for a non-finite value
-    (:func:`exact_log_sq`)."""
     check_forward_seed(forward_seed)
     tensors, point = evaluation_point(model, delta, params, finite=strict)
     nan = torch.tensor(math.nan, dtype=torch.float64)
     result: dict[str, Tensor] = {}
-    if strict:
+    try:
         infinite = check_inputs(inputs)
-    else:
+    except ValueError:
+        if strict:
+            raise
         check_inputs(inputs, finite=False)  # a meta or empty batch is an error all the same
-        try:
-            infinite = check_inputs(inputs)
-        except ValueError:  # NaN inputs: nothing of this batch is measured
-            return {n: nan.to(d.device) for n, d in delta.items()}
+        return {n: nan.to(d.device) for n, d in delta.items()}  # NaN inputs: nothing measured
+    if not strict:
         result = {n: nan.to(d.device) for n, d in delta.items() if not all_finite(d)}
         delta = {n: d for n, d in delta.items() if n not in result}
 

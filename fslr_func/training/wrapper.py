@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 from ..parallel.process_group import next_seed
 from ..probe import forward_cache
-from ..probe.exact import exact_log_sq
+from ..probe.exact import exact
 from ..probe.functional import (
     Inputs,
     ModuleTensors,
@@ -353,7 +353,7 @@ class FSLRModule(nn.Module):
         strict: bool,
     ) -> dict[str, Tensor]:
         """``estimator="exact"``: one probe batch's log ``||J dW||^2_RMS`` of each tensor in
-        ``moved`` (:func:`~fslr_func.probe.exact.exact_log_sq`), the one statistic of each;
+        ``moved`` (:func:`~fslr_func.probe.exact.exact`, not strict), the one statistic of each;
         the other tensors of ``delta`` (unchanged by the step, skipped by the EMA) read NaN.
         The readout is found once, by a forward on the first batch measured, for what needs it
         (``match="features"``)."""
@@ -361,7 +361,7 @@ class FSLRModule(nn.Module):
         if moved:  # nothing moved: a step a GradScaler skipped
             if not self._readout_searched and self.options.readout is not None:
                 self._find_readout(batch)
-            log_sq = exact_log_sq(
+            values = exact(
                 self.module,
                 batch,
                 moved,
@@ -370,6 +370,7 @@ class FSLRModule(nn.Module):
                 forward_seed=self.options.forward_seed,
                 strict=strict,
             )
+            log_sq = {n: 2 * v.log() for n, v in values.items()}
         unmeasured = torch.tensor([math.nan], dtype=torch.float64)
         return {
             n: log_sq[n].reshape(1) if n in log_sq else unmeasured.to(d.device)
